@@ -1,0 +1,1 @@
+"""The `mxcompile` command line: argument parsing and rendering only."""

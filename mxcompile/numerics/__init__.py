@@ -1,0 +1,49 @@
+"""MX numerics: formats, scales and the reference quantize / dequantize / GEMM."""
+
+from .formats import (
+    DEFAULT_BLOCK_SIZE,
+    E4M3,
+    E5M2,
+    E8M0_BIAS,
+    E8M0_NAN,
+    ELEM_FORMATS,
+    ElemFormat,
+    ScaleMode,
+    check_block_size,
+    elem_format,
+    scale_mode,
+)
+from .quantize import (
+    MXTensor,
+    dequantize_along,
+    dequantize_mx,
+    mx_matmul,
+    quantize_along,
+    quantize_last_axis,
+    quantize_mx,
+)
+from .scales import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "E4M3",
+    "E5M2",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "ELEM_FORMATS",
+    "ElemFormat",
+    "MXTensor",
+    "ScaleMode",
+    "check_block_size",
+    "dequantize_along",
+    "dequantize_mx",
+    "elem_format",
+    "inverse_scale_fp32_from_bytes",
+    "mx_matmul",
+    "quantize_along",
+    "quantize_last_axis",
+    "quantize_mx",
+    "scale_bytes_from_amax",
+    "scale_fp32_from_bytes",
+    "scale_mode",
+]

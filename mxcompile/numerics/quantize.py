@@ -1,0 +1,188 @@
+"""Reference MX quantization, dequantization and GEMM in pure PyTorch: the one definition of
+mxcompile's numerics. The custom ops, the graph passes and the Triton kernels all defer to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import (
+    DEFAULT_BLOCK_SIZE,
+    E8M0_NAN,
+    SUPPORTED_INPUT_DTYPES,
+    ElemFormat,
+    ScaleMode,
+    check_block_size,
+    elem_format,
+    scale_mode,
+)
+from .scales import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """A tensor in MX format.
+
+    data:  fp8 tensor of the original shape.
+    scale: torch.float8_e8m0fnu tensor of the original shape with `axis` divided by block_size;
+           scale[..., i, ...] is shared by data[..., i*block_size:(i+1)*block_size, ...] along axis.
+    axis:  the (non-negative) quantization axis, which is the contraction axis of a GEMM.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    axis: int
+    elem: str
+    block_size: int
+    scale_mode: str
+    orig_dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def scale_bytes(self) -> torch.Tensor:
+        """The scales as uint8 biased exponents (the form used inside compiled graphs)."""
+        return self.scale.view(torch.uint8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_mx(self, dtype)
+
+
+def normalize_axis(axis: int, ndim: int, *, argument: str = "axis") -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{argument}={axis!r} is out of range for a tensor of {ndim} dimensions; "
+            f"accepted: an int in [{-ndim}, {ndim - 1}]"
+        )
+    return axis % ndim
+
+
+def check_quantizable(x: torch.Tensor, axis: int, block_size: int) -> int:
+    """Validate a quantize call's tensor, axis and block size; return the non-negative axis."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise ValueError(
+            f"x has dtype {x.dtype}; MX quantization accepts {list(SUPPORTED_INPUT_DTYPES)}"
+        )
+    if x.ndim == 0:
+        raise ValueError("x is a 0-d tensor; MX quantization needs at least one dimension")
+    check_block_size(block_size)
+    axis = normalize_axis(axis, x.ndim)
+    if x.shape[axis] % block_size:
+        raise ValueError(
+            f"x.shape[{axis}]={x.shape[axis]} (the quantization axis) is not divisible by "
+            f"block_size={block_size}; pad that axis to a multiple of {block_size} or choose "
+            f"another axis"
+        )
+    return axis
+
+
+def quantize_last_axis(
+    x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize along the last axis; return (fp8 data of x's shape, uint8 scale bytes).
+
+    Pure tensor code without validation: traceable and fusible by Inductor into one loop.
+    """
+    *lead, n = x.shape
+    blocks = x.reshape(*lead, n // block_size, block_size).to(torch.float32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale_bytes = scale_bytes_from_amax(amax, fmt, mode)
+    scaled = blocks * inverse_scale_fp32_from_bytes(scale_bytes)
+    # Clamp before the cast: the cast is round-to-nearest-even, the clamp makes it saturating.
+    data = scaled.clamp(-fmt.max_normal, fmt.max_normal).to(fmt.dtype)
+    # A NaN block's elements are the positive NaN byte, whatever NaN the arithmetic produced.
+    data_bytes = torch.where(scale_bytes == E8M0_NAN, fmt.nan_byte, data.view(torch.uint8))
+    data = data_bytes.view(fmt.dtype)
+    return data.reshape(*lead, n), scale_bytes.to(torch.uint8).reshape(*lead, n // block_size)
+
+
+def quantize_along(
+    x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_last_axis applied along any (non-negative) axis; outputs keep x's axis order."""
+    last = x.ndim - 1
+    if axis == last:
+        return quantize_last_axis(x, fmt, mode, block_size)
+    data, scale_bytes = quantize_last_axis(x.movedim(axis, last), fmt, mode, block_size)
+    return data.movedim(last, axis), scale_bytes.movedim(last, axis)
+
+
+def dequantize_along(
+    data: torch.Tensor, scale_bytes: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """data * 2**(scale - 127) broadcast over blocks of `block_size` along `axis`, cast to dtype."""
+    scale = scale_fp32_from_bytes(scale_bytes).repeat_interleave(block_size, dim=axis)
+    return (data.to(torch.float32) * scale).to(dtype)
+
+
+def quantize_mx(
+    x: torch.Tensor,
+    axis: int = -1,
+    *,
+    elem: str = "e4m3",
+    scale_mode: str = "rceil",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> MXTensor:
+    """Quantize `x` to MX: blocks of `block_size` consecutive elements along `axis` share one
+    E8M0 scale; elements are FP8 (`elem`: "e4m3" or "e5m2").
+
+    The input is never modified. See `ScaleMode` for the four scale rules.
+    """
+    fmt = elem_format(elem)
+    mode = _scale_mode(scale_mode)
+    axis = check_quantizable(x, axis, block_size)
+    data, scale_bytes = quantize_along(x, axis, fmt, mode, block_size)
+    return MXTensor(
+        data=data,
+        scale=scale_bytes.view(torch.float8_e8m0fnu),
+        axis=axis,
+        elem=fmt.name,
+        block_size=block_size,
+        scale_mode=mode.value,
+        orig_dtype=x.dtype,
+    )
+
+
+_scale_mode = scale_mode  # the argument name shadows the lookup inside quantize_mx
+
+
+def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values an MXTensor represents, as `dtype`. Exact in fp32; blocks with scale 0xFF are NaN."""
+    if not isinstance(mx, MXTensor):
+        raise ValueError(f"mx must be an MXTensor, got {type(mx).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating-point dtype")
+    return dequantize_along(mx.data, mx.scale_bytes, mx.axis, mx.block_size, dtype)
+
+
+def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The exact MX GEMM a @ b: products of the dequantized operands accumulated in fp32.
+
+    a has shape (..., M, K) quantized along K (its last axis); b has shape (..., K, N) quantized
+    along K (its second-to-last axis). Leading (batch) dimensions broadcast as in torch.matmul.
+    """
+    for name, operand, wanted in (("a", a, -1), ("b", b, -2)):
+        if not isinstance(operand, MXTensor):
+            raise ValueError(f"{name} must be an MXTensor, got {type(operand).__name__}")
+        if operand.data.ndim < 2:
+            raise ValueError(f"{name} has {operand.data.ndim} dimension(s); mx_matmul needs >= 2")
+        if operand.axis != operand.data.ndim + wanted:
+            raise ValueError(
+                f"{name} is quantized along axis {operand.axis} but its contraction axis is "
+                f"{operand.data.ndim + wanted}; quantize {name} with axis={wanted}"
+            )
+    if a.block_size != b.block_size:
+        raise ValueError(
+            f"a.block_size={a.block_size} and b.block_size={b.block_size} differ; "
+            "quantize both operands with the same block_size"
+        )
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"contraction lengths differ: a {tuple(a.shape)} and b {tuple(b.shape)}")
+    product = torch.matmul(dequantize_mx(a, torch.float32), dequantize_mx(b, torch.float32))
+    return product.to(out_dtype)

@@ -1,0 +1,73 @@
+"""E8M0 scale computation, written with integer operations on fp32 bit patterns so that it is
+exact for every input (subnormals, zeros, Inf, NaN) and compiles to fused loops in Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import (
+    E8M0_BIAS,
+    E8M0_MAX_BYTE,
+    E8M0_NAN,
+    F32_EXPONENT_MASK,
+    F32_MANTISSA_BITS,
+    F32_MANTISSA_MASK,
+    ElemFormat,
+    ScaleMode,
+)
+
+# The fp32 bit pattern of 2**-127, the one E8M0 value that is an fp32 subnormal.
+_F32_BITS_TWO_POW_MINUS_127 = 1 << (F32_MANTISSA_BITS - 1)
+# Largest subnormal-descale mantissa that still rounds up only to 2**-127 (i.e. descale <= 2**-127).
+_F32_HALF_MIN_NORMAL_MANTISSA = 1 << (F32_MANTISSA_BITS - 1)
+
+
+def _exponent_and_mantissa(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK, bits & F32_MANTISSA_MASK
+
+
+def scale_bytes_from_amax(amax: torch.Tensor, fmt: ElemFormat, mode: ScaleMode) -> torch.Tensor:
+    """Biased E8M0 scale bytes (int32 in [0, 255]) for blocks whose absolute maximum is `amax`.
+
+    `amax` must be non-negative fp32. A non-finite amax (the block holds a NaN or an Inf) gives
+    the NaN byte 0xFF. Results are clamped to the E8M0 range [2**-127, 2**127].
+    """
+    if mode is ScaleMode.RCEIL:
+        descale = amax * fmt.reciprocal_max_fp32
+        exponent, mantissa = _exponent_and_mantissa(descale.view(torch.int32))
+        # Normal descale: ceil(log2) = exponent - bias + (mantissa != 0).
+        normal = exponent + (mantissa != 0).to(torch.int32)
+        # Subnormal descale (exponent field 0): it equals mantissa * 2**-149, so it rounds up to
+        # 2**-126 (byte 1) when it exceeds 2**-127 and to 2**-127 or below (byte 0) otherwise.
+        subnormal = (mantissa > _F32_HALF_MIN_NORMAL_MANTISSA).to(torch.int32)
+        biased = torch.where(exponent == 0, subnormal, normal)
+    else:
+        bits = amax.view(torch.int32)
+        if mode is ScaleMode.EVEN:
+            # Round amax half-up to the element's mantissa width; a carry bumps the exponent.
+            bits = bits + (1 << (F32_MANTISSA_BITS - fmt.mantissa_bits - 1))
+        exponent, mantissa = _exponent_and_mantissa(bits)
+        if mode is ScaleMode.CEIL:
+            exponent = exponent + (mantissa != 0).to(torch.int32)
+        # floor(log2(amax)) - emax, re-biased: (exponent - bias) - emax + bias.
+        biased = exponent - fmt.emax
+    biased = biased.clamp(0, E8M0_MAX_BYTE)
+    return torch.where(torch.isfinite(amax), biased, E8M0_NAN)
+
+
+def scale_fp32_from_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """fp32 value 2**(b - 127) of each scale byte b; NaN for 0xFF. Exact, subnormal 2**-127 included."""
+    b = scale_bytes.to(torch.int32)
+    bits = torch.where(b == 0, _F32_BITS_TWO_POW_MINUS_127, b << F32_MANTISSA_BITS)
+    return torch.where(b == E8M0_NAN, float("nan"), bits.view(torch.float32))
+
+
+def inverse_scale_fp32_from_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """fp32 value 2**(127 - b) of each scale byte b; NaN for 0xFF. Exact for every byte."""
+    b = scale_bytes.to(torch.int32)
+    inverse_biased = 2 * E8M0_BIAS - b  # 2**(127-b) has biased fp32 exponent 254 - b
+    bits = torch.where(
+        b == E8M0_MAX_BYTE, _F32_BITS_TWO_POW_MINUS_127, inverse_biased << F32_MANTISSA_BITS
+    )
+    return torch.where(b == E8M0_NAN, float("nan"), bits.view(torch.float32))
