@@ -117,8 +117,12 @@ def dequantize_along(
     data: torch.Tensor, scale_bytes: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """data * 2**(scale - 127) broadcast over blocks of `block_size` along `axis`, cast to dtype."""
-    scale = scale_fp32_from_bytes(scale_bytes).repeat_interleave(block_size, dim=axis)
-    return (data.to(torch.float32) * scale).to(dtype)
+    last = data.ndim - 1
+    moved = data.movedim(axis, last)
+    *lead, n = moved.shape
+    blocks = moved.reshape(*lead, n // block_size, block_size).to(torch.float32)
+    scale = scale_fp32_from_bytes(scale_bytes.movedim(axis, last)).unsqueeze(-1)
+    return (blocks * scale).reshape(*lead, n).to(dtype).movedim(last, axis)
 
 
 def quantize_mx(

@@ -1,0 +1,164 @@
+"""The `mxfp8` torch.compile backend.
+
+    dynamo FX graph
+      -> AOTAutograd: joint forward+backward graph (or an inference graph without autograd)
+      -> passes.run_pipeline: the ordered, named passes rewrite it and record their decisions
+      -> min-cut partition into forward and backward (it sees MX copies as cheaper to save)
+      -> lowering: Inductor's inner compiler (CPU), with the mxcompile ops decomposed
+
+`explain` runs the same pipeline and stops before lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+
+from . import ops as _ops  # noqa: F401  (registers the mxcompile:: ops the passes insert)
+from .config import MXConfig
+from .lowering import eager_compiler, inductor_compiler
+from .passes import PassError, run_pipeline
+from .passes.graph_facts import GRAPH_INFO_KEY, GraphInfo, concrete_int
+from .report import GraphSnapshot, Report
+
+Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of gm whose graph can be rewritten without touching gm (node meta is shared)."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(output[0] if isinstance(output, tuple) else output)
+    clone = fx.GraphModule(gm, graph)
+    clone.meta.update(gm.meta)
+    return clone
+
+
+def _tensor_bytes(value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        numel *= concrete_int(size) or 0
+    return numel * value.element_size()
+
+
+def saved_tensors(
+    fw: fx.GraphModule, num_fwd_outputs: int, param_input_indices: Sequence[int]
+) -> list[dict[str, Any]]:
+    """The activations a partitioned forward graph saves for the backward, with their bytes.
+    Parameters and buffers that the backward reads are left out: they are alive anyway."""
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i] for i in param_input_indices if i < len(placeholders)}
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    saved = pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
+    rows = []
+    for node in saved:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(value, torch.Tensor) and node not in params:
+            rows.append({"name": node.name, "dtype": str(value.dtype),
+                         "shape": [concrete_int(s) for s in value.shape],
+                         "bytes": _tensor_bytes(value)})
+    return rows
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: MXConfig,
+    *,
+    lower: Compiler = inductor_compiler,
+    report: Report | None = None,
+) -> Callable:
+    """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering."""
+    report = report if report is not None else Report(config.to_dict())
+
+    def rewrite(graph: fx.GraphModule, name: str) -> bool:
+        """Run the pipeline on `graph`; False (graph untouched) when a pass failed and
+        config.fallback allows running the unrewritten graph."""
+        candidate = clone_graph_module(graph)
+        try:
+            results = run_pipeline(candidate, config, name)
+        except PassError as err:
+            if not config.fallback:
+                raise
+            warnings.warn(f"{err}; running this graph without the MXFP8 rewrite "
+                          "(set options={'fallback': False} to raise instead)", stacklevel=2)
+            report.fallbacks.append(str(err))
+            return False
+        for result in results:
+            report.add_pass_result(result)
+        graph.graph = candidate.graph
+        graph.recompile()
+        return True
+
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        params = tuple(kwargs.get("static_lifetime_input_indices") or ())
+        joint.meta[GRAPH_INFO_KEY] = GraphInfo("joint", num_fwd_outputs, params)
+        fw_before, bw_before = min_cut_rematerialization_partition(
+            clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        rewrite(joint, "joint")
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        before = saved_tensors(fw_before, num_fwd_outputs, params)
+        after = saved_tensors(fw, num_fwd_outputs, params)
+        report.saved_bytes_before += sum(r["bytes"] for r in before)
+        report.saved_bytes_after += sum(r["bytes"] for r in after)
+        report.saved_tensors_after.extend(after)
+        report.graphs.append(GraphSnapshot("forward", _readable(fw_before), _readable(fw)))
+        report.graphs.append(GraphSnapshot("backward", _readable(bw_before), _readable(bw)))
+        return fw, bw
+
+    def inference(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        before = _readable(graph)
+        rewrite(graph, "inference")
+        report.graphs.append(GraphSnapshot("inference", before, _readable(graph)))
+        return lower(graph, inputs)
+
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=lower, bw_compiler=lower, inference_compiler=inference,
+        partition_fn=partition, decompositions=select_decomp_table(),
+        keep_inference_input_mutations=True,
+    )
+
+
+def mxfp8_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+    *,
+    config: MXConfig | None = None,
+) -> Callable:
+    """The dynamo backend behind `torch.compile(model, backend="mxfp8", options={...})`."""
+    if mode not in (None, "default"):
+        raise ValueError(f"mode={mode!r} is not supported by the mxfp8 backend; accepted: None, 'default'")
+    if config is not None and options:
+        raise ValueError("give either config or options to the mxfp8 backend, not both")
+    config = config if config is not None else MXConfig.from_options(options)
+    return compile_graph(gm, example_inputs, config)
+
+
+def compile(model: Any, config: MXConfig | None = None, **torch_compile_kwargs: Any) -> Any:
+    """Typed alternative to torch.compile(model, backend="mxfp8", options=...)."""
+    if "backend" in torch_compile_kwargs or "options" in torch_compile_kwargs:
+        raise ValueError("mxcompile.compile sets backend and options itself; pass config=MXConfig(...)")
+    config = config if config is not None else MXConfig()
+    if not isinstance(config, MXConfig):
+        raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    backend = functools.partial(mxfp8_backend, config=config)
+    backend.__name__ = "mxfp8"  # type: ignore[attr-defined]
+    return torch.compile(model, backend=backend, **torch_compile_kwargs)

@@ -1,0 +1,205 @@
+"""Pass: rewrite every eligible aten GEMM (mm, addmm, bmm, baddbmm) into MX-quantize -> MX GEMM.
+
+Each operand is quantized along its own contraction axis, so a linear layer's three GEMMs get
+the recipe's axes: Y = X Wt (X and W along K), dX = dY W (dY and W along N) and
+dW = dYt X (dY and X along M, the token axis). Bias, alpha and beta are applied in high
+precision after the GEMM; the output keeps its dtype. An ineligible GEMM stays as it is and the
+reason is recorded; this pass never raises on a model it cannot handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..config import MXConfig
+from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
+from .graph_facts import (
+    NodeBuilder,
+    concrete_int,
+    fake_value,
+    graph_info,
+    is_backward,
+    module_name,
+    nodes_depending_on,
+    shape_hint,
+    tangent_placeholders,
+)
+
+NAME = "gemm_rewrite"
+
+aten = torch.ops.aten
+_MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Ops through which a GEMM's output still "is" a weight gradient on its way to the graph output.
+_VIEW_LIKE = {
+    aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+    aten.permute.default, aten.transpose.int, aten.clone.default, aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+@dataclass(frozen=True)
+class GemmPattern:
+    """An aten GEMM: where its operands are and along which axis each one contracts."""
+
+    lhs_arg: int
+    rhs_arg: int
+    lhs_contraction_axis: int
+    rhs_contraction_axis: int
+    has_bias: bool
+
+
+GEMM_PATTERNS: dict = {
+    aten.mm.default: GemmPattern(0, 1, 1, 0, has_bias=False),
+    aten.bmm.default: GemmPattern(0, 1, 2, 1, has_bias=False),
+    aten.addmm.default: GemmPattern(1, 2, 1, 0, has_bias=True),
+    aten.baddbmm.default: GemmPattern(1, 2, 2, 1, has_bias=True),
+}
+
+
+def _weight_grad_outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """Output-graph nodes that are gradients of parameters (joint graphs only)."""
+    info = graph_info(gm)
+    if info.kind != "joint":
+        return set()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = pytree.tree_leaves(output.args[0])
+    grads = flat[info.num_fwd_outputs:]
+    return {
+        g for i, g in enumerate(grads) if isinstance(g, fx.Node) and i in info.param_input_indices
+    }
+
+
+def _flows_to(node: fx.Node, targets: set[fx.Node]) -> bool:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in targets:
+            return True
+        stack.extend(u for u in current.users if u.op == "call_function" and u.target in _VIEW_LIKE)
+    return False
+
+
+def _gemm_kind(node: fx.Node, weight_grads: set[fx.Node]) -> str:
+    if not is_backward(node):
+        return "output"
+    return "weight_grad" if _flows_to(node, weight_grads) else "input_grad"
+
+
+def _gemm_flops(lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern) -> int:
+    batch = 1
+    for size in lhs.shape[:-2]:
+        batch *= concrete_int(size) or 0
+    m, k = (concrete_int(s) or 0 for s in lhs.shape[-2:])
+    n = concrete_int(rhs.shape[-1]) or 0
+    return 2 * batch * m * n * k
+
+
+def _ineligibility(
+    node: fx.Node, lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern, flops: int,
+    kind: str, module: str, config: MXConfig,
+) -> str | None:
+    """Why this GEMM must stay in high precision, or None when it can be converted."""
+    for name, t in (("lhs", lhs), ("rhs", rhs)):
+        if t.dtype not in _MX_DTYPES:
+            return f"{name} dtype {t.dtype} is not one of {[str(d) for d in _MX_DTYPES]}"
+    k = lhs.shape[pattern.lhs_contraction_axis]
+    if not statically_known_true(k % config.block_size == 0):
+        return (
+            f"contraction length {k} is not {'provably ' if not isinstance(k, int) else ''}"
+            f"divisible by block_size={config.block_size}"
+        )
+    if flops < config.min_gemm_flops:
+        return f"{flops} FLOPs is below min_gemm_flops={config.min_gemm_flops}"
+    selected, why_not = config.module_selected(module)
+    if not selected:
+        return why_not
+    if kind == "weight_grad" and config.hp_weight_grad:
+        return "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
+    return None
+
+
+def _rewrite(
+    gm: fx.GraphModule, node: fx.Node, pattern: GemmPattern, elems: tuple[str, str],
+    config: MXConfig,
+) -> NodeBuilder:
+    build = NodeBuilder(gm, node)
+    out_dtype = fake_value(node).dtype
+    quantized = []
+    for arg_index, axis, elem in (
+        (pattern.lhs_arg, pattern.lhs_contraction_axis, elems[0]),
+        (pattern.rhs_arg, pattern.rhs_contraction_axis, elems[1]),
+    ):
+        q = build.call(torch.ops.mxcompile.quantize.default, node.args[arg_index], axis, elem,
+                       config.scale_mode, config.block_size)
+        quantized += [build.call(_getitem, q, 0), build.call(_getitem, q, 1)]
+    gemm_dtype = torch.float32 if pattern.has_bias else out_dtype
+    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, gemm_dtype)
+    if pattern.has_bias:
+        alpha = node.kwargs.get("alpha", 1)
+        beta = node.kwargs.get("beta", 1)
+        if alpha != 1:
+            result = build.call(aten.mul.Tensor, result, alpha)
+        bias = node.args[0]
+        if beta != 1:
+            bias = build.call(aten.mul.Tensor, bias, beta)
+        result = build.call(aten.add.Tensor, result, bias)
+        result = build.call(torch.ops.prims.convert_element_type.default, result, out_dtype)
+    node.replace_all_uses_with(result)
+    gm.graph.erase_node(node)
+    return build
+
+
+def _getitem(value, index):
+    return value[index]
+
+
+def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:
+    """Rewrite the GEMMs of one graph in place; return the decisions and node counts."""
+    weight_grads = _weight_grad_outputs(gm)
+    gradients = nodes_depending_on(tangent_placeholders(gm))
+    decisions: list[GemmDecision] = []
+    added = removed = 0
+    for node in list(gm.graph.nodes):
+        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" else None
+        if pattern is None:
+            continue
+        lhs_node, rhs_node = node.args[pattern.lhs_arg], node.args[pattern.rhs_arg]
+        lhs, rhs = fake_value(lhs_node), fake_value(rhs_node)
+        kind = _gemm_kind(node, weight_grads)
+        flops = _gemm_flops(lhs, rhs, pattern)
+        module = module_name(node)
+        elems = tuple(
+            config.grad_elem if operand in gradients else config.forward_elem
+            for operand in (lhs_node, rhs_node)
+        )
+        reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, module, config)
+        operands = (
+            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0]),
+            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1]),
+        )
+        graph = "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
+        if reason is None:
+            k = concrete_int(lhs.shape[pattern.lhs_contraction_axis])
+            reason = f"operands quantized along their contraction axis (K={k})"
+            decision = CONVERTED
+        else:
+            decision = KEPT
+        decisions.append(GemmDecision(
+            graph=graph, node=node.name, op=str(node.target), kind=kind,
+            shapes=(shape_hint(lhs), shape_hint(rhs)), flops=flops, module=module,
+            decision=decision, reason=reason, operands=operands if decision == CONVERTED else (),
+        ))
+        if decision == CONVERTED:
+            build = _rewrite(gm, node, pattern, elems, config)
+            added += len(build.added)
+            removed += 1
+    if added:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(NAME, graph_name, added, removed, tuple(decisions))

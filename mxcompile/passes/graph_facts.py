@@ -1,0 +1,123 @@
+"""Facts about a joint, forward, backward or inference FX graph that several passes read.
+
+Not a pass: helpers to read node metadata (fake values, module names, forward/backward tags)
+and to insert nodes with their fake values, so that every node a pass adds carries
+`meta["val"]` as the partitioner and Inductor require.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+GRAPH_INFO_KEY = "mxcompile_graph_info"
+
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """What the backend knows about a graph before the passes run (stored in gm.meta)."""
+
+    kind: str  # "joint" or "inference"
+    num_fwd_outputs: int = 0
+    param_input_indices: tuple[int, ...] = ()  # placeholders that are parameters or buffers
+
+
+def graph_info(gm: fx.GraphModule) -> GraphInfo:
+    return gm.meta.get(GRAPH_INFO_KEY) or GraphInfo(kind="inference")
+
+
+def fake_value(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def graph_fake_mode(gm: fx.GraphModule):
+    values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def concrete_int(value: Any) -> int | None:
+    """An int for a static size, the runtime hint for a symbolic one, None if unknown."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else None
+    return None
+
+
+def shape_hint(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(concrete_int(s) or 0 for s in t.shape)
+
+
+def clean_module_path(dynamo_path: str) -> str:
+    """"L['self'].layers[0].attn" -> "layers.0.attn" (the name users see in named_modules)."""
+    path = _DYNAMO_ROOT.sub("", dynamo_path)
+    path = _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.lstrip(".")
+
+
+def module_name(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return clean_module_path(path)
+
+
+def is_backward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def nodes_depending_on(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """All nodes reachable from `roots` through users (the roots included)."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.users)
+    return seen
+
+
+def tangent_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+
+
+_COPIED_META = ("partitioner_tag", "nn_module_stack", "fwd_nn_module_stack", "stack_trace",
+                "seq_nr", "source_fn_stack", "fwd_source_fn_stack", "autograd_backward")
+
+
+class NodeBuilder:
+    """Inserts call_function nodes before an anchor, computing each node's fake value and
+    copying the anchor's provenance metadata (forward/backward tag, module stack)."""
+
+    def __init__(self, gm: fx.GraphModule, anchor: fx.Node):
+        self.graph = gm.graph
+        self.anchor = anchor
+        self.fake_mode = graph_fake_mode(gm)
+        self.added: list[fx.Node] = []
+
+    def call(self, target: Callable, *args: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        fake_args = [fake_value(a) for a in args]
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args)
+        else:
+            node.meta["val"] = target(*fake_args)
+        for key in _COPIED_META:
+            if key in self.anchor.meta:
+                node.meta[key] = self.anchor.meta[key]
+        self.added.append(node)
+        return node
