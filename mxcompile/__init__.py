@@ -7,6 +7,20 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 """
 
 from ._version import __version__
+from .backend import compile
+from .config import MXConfig
+from .explain import explain
 from .numerics import MXTensor, dequantize_mx, mx_matmul, quantize_mx
+from .report import Report
 
-__all__ = ["MXTensor", "__version__", "dequantize_mx", "mx_matmul", "quantize_mx"]
+__all__ = [
+    "MXConfig",
+    "MXTensor",
+    "Report",
+    "__version__",
+    "compile",
+    "dequantize_mx",
+    "explain",
+    "mx_matmul",
+    "quantize_mx",
+]

@@ -9,6 +9,7 @@ reason is recorded; this pass never raises on a model it cannot handle.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +138,7 @@ def _rewrite(
     ):
         q = build.call(torch.ops.mxcompile.quantize.default, node.args[arg_index], axis, elem,
                        config.scale_mode, config.block_size)
-        quantized += [build.call(_getitem, q, 0), build.call(_getitem, q, 1)]
+        quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
     gemm_dtype = torch.float32 if pattern.has_bias else out_dtype
     result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, gemm_dtype)
     if pattern.has_bias:
@@ -153,10 +154,6 @@ def _rewrite(
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
     return build
-
-
-def _getitem(value, index):
-    return value[index]
 
 
 def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:

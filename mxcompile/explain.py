@@ -1,0 +1,37 @@
+"""`mxcompile.explain`: run the mxfp8 pipeline on a model and return its `Report` without
+lowering or training. One source of truth for `mxcompile inspect`, `profile` and the tests."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .backend import compile_graph
+from .config import MXConfig
+from .lowering import eager_compiler
+from .report import Report
+
+
+def explain(model: torch.nn.Module, *example_inputs: Any, config: MXConfig | None = None) -> Report:
+    """Trace `model` on `example_inputs` with the mxfp8 pipeline and return every decision.
+
+    Runs one forward pass with autograd enabled (the joint graph is built then) and no backward,
+    so no gradient of the model is touched; buffers are restored afterwards.
+    """
+    config = config if config is not None else MXConfig()
+    if not isinstance(config, MXConfig):
+        raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    report = Report(config.to_dict())
+    backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    compiled = torch.compile(model, backend=backend)
+    try:
+        with torch.enable_grad():
+            compiled(*example_inputs)
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    return report
