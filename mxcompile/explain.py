@@ -4,7 +4,7 @@ lowering or training. One source of truth for `mxcompile inspect`, `profile` and
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -14,8 +14,8 @@ from .lowering import eager_compiler
 from .report import Report
 
 
-def explain(model: torch.nn.Module, *example_inputs: Any, config: MXConfig | None = None) -> Report:
-    """Trace `model` on `example_inputs` with the mxfp8 pipeline and return every decision.
+def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = None) -> Report:
+    """Trace `model` (an nn.Module or a function of tensors) on `example_inputs` with the mxfp8 pipeline and return every decision.
 
     Runs one forward pass with autograd enabled (the joint graph is built then) and no backward,
     so no gradient of the model is touched; buffers are restored afterwards.
@@ -25,13 +25,14 @@ def explain(model: torch.nn.Module, *example_inputs: Any, config: MXConfig | Non
         raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
     report = Report(config.to_dict())
     backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    modules = [model] if isinstance(model, torch.nn.Module) else []
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
     compiled = torch.compile(model, backend=backend)
     try:
         with torch.enable_grad():
             compiled(*example_inputs)
     finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     return report

@@ -20,9 +20,17 @@ from .numerics import (
     scale_mode,
 )
 
-# The dtype the CPU MX GEMM dequantizes to before multiplying. Exact for every FP8 value times
-# a power-of-two scale unless the product underflows bf16's subnormal range (see README).
-CPU_GEMM_OPERAND_DTYPE = torch.bfloat16
+
+
+def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the MX GEMM dequantizes its operands to before multiplying (fp32 accumulation).
+
+    bf16 for low-precision outputs: exact for every FP8 value times a power-of-two scale unless
+    the product underflows bf16's subnormal range (scale byte < 3 for e4m3, < 10 for e5m2), and
+    about 2x faster than fp32 on CPUs with AVX512-BF16. fp32 outputs get fp32 operands, so that
+    the output carries no extra bf16 rounding.
+    """
+    return torch.float32 if out_dtype == torch.float32 else torch.bfloat16
 
 
 def _quantize(
@@ -45,8 +53,9 @@ def _mx_mm(
     block_size: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    a_hp = dequantize_along(a, a_scale, a.ndim - 1, block_size, CPU_GEMM_OPERAND_DTYPE)
-    b_hp = dequantize_along(b, b_scale, b.ndim - 2, block_size, CPU_GEMM_OPERAND_DTYPE)
+    operand_dtype = gemm_operand_dtype(out_dtype)
+    a_hp = dequantize_along(a, a_scale, a.ndim - 1, block_size, operand_dtype)
+    b_hp = dequantize_along(b, b_scale, b.ndim - 2, block_size, operand_dtype)
     return torch.matmul(a_hp, b_hp).to(out_dtype)
 
 

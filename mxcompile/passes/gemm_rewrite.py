@@ -139,11 +139,11 @@ def _rewrite(
         q = build.call(torch.ops.mxcompile.quantize.default, node.args[arg_index], axis, elem,
                        config.scale_mode, config.block_size)
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
-    gemm_dtype = torch.float32 if pattern.has_bias else out_dtype
-    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, gemm_dtype)
+    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, out_dtype)
     if pattern.has_bias:
         alpha = node.kwargs.get("alpha", 1)
         beta = node.kwargs.get("beta", 1)
+        result = build.call(torch.ops.prims.convert_element_type.default, result, torch.float32)
         if alpha != 1:
             result = build.call(aten.mul.Tensor, result, alpha)
         bias = node.args[0]

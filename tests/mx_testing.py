@@ -1,0 +1,49 @@
+"""An independent eager emulation of MX training GEMMs, written from the recipe: each operand
+quantized along its own contraction axis with the numerics core, then an fp32 matmul."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mxcompile.numerics import E4M3, ScaleMode, dequantize_along, quantize_along
+
+
+def fake_quantize(x: torch.Tensor, axis: int, block_size: int = 32) -> torch.Tensor:
+    data, scale = quantize_along(x, axis % x.ndim, E4M3, ScaleMode.RCEIL, block_size)
+    return dequantize_along(data, scale, axis % x.ndim, block_size, torch.float32)
+
+
+class MXLinearFunction(torch.autograd.Function):
+    """Y = X Wt + b with the three recipe GEMMs in MX (X: (M, K), W: (N, K))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        y = fake_quantize(x, 1) @ fake_quantize(weight.t(), 0)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = fake_quantize(grad_y, 1) @ fake_quantize(weight, 0)  # contraction over N
+        grad_w = fake_quantize(grad_y.t(), 1) @ fake_quantize(x, 0)  # contraction over M
+        return grad_x, grad_w, grad_y.sum(0)
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    reference, approximation = reference.detach().double(), approximation.detach().double()
+    noise = (reference - approximation).norm()
+    return float(20 * torch.log10(reference.norm() / noise))
+
+
+def eager_mxfp8_backend(config=None, report=None):
+    """The mxfp8 pipeline (AOTAutograd, passes, partition) with eager execution of the
+    rewritten graphs: tests about the rewrite skip Inductor's compile time."""
+    from mxcompile.backend import compile_graph
+    from mxcompile.config import MXConfig
+    from mxcompile.lowering import eager_compiler
+
+    return functools.partial(compile_graph, config=config or MXConfig(), lower=eager_compiler,
+                             report=report)
