@@ -6,6 +6,7 @@ quantization into its generated C++ loops) and the graph goes to Inductor's inne
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,9 +15,69 @@ from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .ops import DECOMPOSITIONS
+from .numerics import dequantize_along, elem_format, scale_mode
+from .numerics.rounding import fake_quantize_along
+from .ops import DECOMPOSITIONS, gemm_operand_dtype
 
 MX_OPS = frozenset(DECOMPOSITIONS)
+_QUANTIZE = torch.ops.mxcompile.quantize.default
+_MX_MM = torch.ops.mxcompile.mx_mm.default
+
+
+def _fake_quantized_operand(x, axis, elem, mode, block_size, dtype):
+    return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode(mode), block_size, dtype)
+
+
+def _dequantized_operand(data, scale, axis, block_size, dtype):
+    return dequantize_along(data, scale, axis, block_size, dtype)
+
+
+def _matmul(a, b, out_dtype):
+    return torch.matmul(a, b).to(out_dtype)
+
+
+def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
+    """The mxcompile::quantize node whose (data, scale) outputs these are, if in this graph."""
+    if not all(isinstance(n, fx.Node) and n.target is operator.getitem for n in (data, scale)):
+        return None
+    producer = data.args[0]
+    if producer is scale.args[0] and producer.target is _QUANTIZE and (data.args[1], scale.args[1]) == (0, 1):
+        return producer
+    return None
+
+
+def lower_mx_gemms(gm: fx.GraphModule) -> int:
+    """Rewrite each mxcompile::mx_mm into a high-precision matmul of its dequantized operands.
+
+    An operand quantized in this same graph is fake-quantized straight from its high-precision
+    source (`numerics.rounding`: bit-identical values, no fp8 round trip); an operand that
+    arrives as fp8 (saved by the forward for the backward) is dequantized. Returns the count.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _MX_MM:
+            continue
+        a, a_scale, b, b_scale, block_size, out_dtype = node.args
+        operand_dtype = gemm_operand_dtype(out_dtype)
+        with gm.graph.inserting_before(node):
+            operands = []
+            for data, scale, axis in ((a, a_scale, -1), (b, b_scale, -2)):
+                producer = _producing_quantize(data, scale)
+                if producer is not None:
+                    operands.append(gm.graph.call_function(
+                        _fake_quantized_operand, (*producer.args, operand_dtype)))
+                else:
+                    ndim = data.meta["val"].ndim
+                    operands.append(gm.graph.call_function(
+                        _dequantized_operand, (data, scale, axis % ndim, block_size, operand_dtype)))
+            product = gm.graph.call_function(_matmul, (*operands, out_dtype))
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
 
 
 def has_mx_ops(gm: fx.GraphModule) -> bool:
@@ -27,6 +88,7 @@ def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
     """Retrace `gm`, replacing mxcompile ops by the aten ops of their definitions."""
     if not has_mx_ops(gm):
         return gm
+    lower_mx_gemms(gm)
     table = {**select_decomp_table(), **DECOMPOSITIONS}
     trace = make_fx(fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="real")
     fake_mode = detect_fake_mode(example_inputs)

@@ -1,0 +1,256 @@
+"""Benchmark (and check) the generated MX Triton kernels.
+
+On a GPU:
+    python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s vs
+                                                # torch.mm bf16 and torch._scaled_mm rowwise FP8;
+                                                # MX attention vs SDPA (bf16)
+    python benchmarks/gpu_kernels.py --check    # correctness against mxcompile.numerics first
+    python benchmarks/gpu_kernels.py --sizes 4096 8192
+On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this script):
+    python benchmarks/gpu_kernels.py --tiny
+
+Quantize traffic counts what a kernel must move: the input read once plus each written copy
+(FP8 data and uint8 scales). The copy baseline is `dst.copy_(src)` of the bf16 input (read +
+write). GEMM FLOPs are 2*M*N*K; attention FLOPs 4*B*H*S*S*D (halved when causal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--check", action="store_true", help="check results against the numerics core")
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--skip", nargs="*", default=[], choices=["quantize", "gemm", "attention"])
+    return p.parse_args()
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.tiny:
+    # Must precede the first import of triton (triton.language's own @jit helpers read it).
+    os.environ["TRITON_INTERPRET"] = "1"
+    import warnings
+
+    # The interpreter evaluates masked lanes too (numpy warns on exp overflow, 0/0 there).
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+
+import torch  # noqa: E402
+
+from mxcompile.numerics import E4M3, ScaleMode, quantize_along  # noqa: E402
+from mxcompile.triton_templates import (  # noqa: E402
+    mx_attention_triton,
+    mx_mm_triton,
+    quantize_mx_triton,
+    quantize_mx_triton_rowcol,
+    triton_available,
+)
+from mxcompile.triton_templates.attention import mx_attention_reference  # noqa: E402
+from mxcompile.triton_templates.mx_gemm import mx_mm_reference  # noqa: E402
+
+
+def _rate(x: float, width: int) -> str:
+    """A throughput, 4 significant digits (tiny CPU runs give tiny numbers)."""
+    return f"{x:>{width}.4g}"
+
+
+def bench(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median milliseconds of fn()."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm-up (renders and loads the kernel)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _q(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_along(x, axis, E4M3, ScaleMode.RCEIL, 32)
+
+
+def check(device: torch.device) -> bool:
+    """Correctness of every kernel against the numerics core at small, ragged shapes."""
+    ok = True
+
+    def report(name: str, passed: bool, detail: str = "") -> None:
+        nonlocal ok
+        ok &= passed
+        print(f"  [{'ok' if passed else 'FAIL'}] {name} {detail}")
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(96, 160, generator=g) * torch.logspace(-4, 4, 160)[None, :]
+    base = base * torch.logspace(-3, 3, 96)[:, None]
+    base[0, :7] = torch.tensor(
+        [0.0, float("nan"), float("inf"), -float("inf"), 1e-40, 480.0, -448.0]
+    )
+    x = base.to(device=device, dtype=torch.bfloat16)
+    casts = ["software", "hardware"] if device.type == "cuda" else ["software"]
+    for cast in casts:
+        for mode in ("rceil", "floor", "ceil", "even"):
+            ref = [quantize_along(x.cpu(), a, E4M3, ScaleMode(mode), 32) for a in (1, 0)]
+            rd, rs, cd, cs = quantize_mx_triton_rowcol(x, scale_mode=mode, cast=cast)
+            got = [(rd, rs), (cd, cs)]
+            exact = all(
+                torch.equal(d.cpu().view(torch.uint8), rd_.view(torch.uint8))
+                and torch.equal(s.cpu(), rs_)
+                for (d, s), (rd_, rs_) in zip(got, ref, strict=True)
+            )
+            report(f"quantize rowcol {mode:5s} cast={cast}", exact, "bit-exact" if exact else "")
+    m, n, k = 80, 96, 160
+    a, sa = _q(torch.randn(m, k, generator=g), 1)
+    b, sb = _q(torch.randn(k, n, generator=g), 0)
+    bias, res = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    ref = mx_mm_reference(
+        a, sa, b, sb, 32, torch.float32, ("bias", "gelu_tanh", "residual"), bias=bias, residual=res
+    )
+    dev = [t.to(device) for t in (a, sa, b, sb, bias, res)]
+    for path in ("dot_scaled", "hopper"):
+        c = mx_mm_triton(
+            *dev[:4], 32, torch.float32, ("bias", "gelu_tanh", "residual"),
+            bias=dev[4], residual=dev[5], path=path,
+        )  # fmt: skip
+        err = (c.cpu() - ref).abs().max().item()
+        report(
+            f"mx_mm {path:10s} fp32 out + epilogue",
+            err <= 1e-4 * ref.abs().max().item(),
+            f"max|err|={err:.3g}",
+        )
+    qh, kh, vh = (torch.randn(2, 64, 64, generator=g) for _ in range(3))
+    q, qs = _q(qh, 2)
+    kq, ks = _q(kh, 2)
+    v, vs = _q(vh, 1)
+    ref = mx_attention_reference(q, qs, kq, ks, v, vs, causal=True, block_n=32)
+    out = mx_attention_triton(
+        *(t.to(device) for t in (q, qs, kq, ks, v, vs)), causal=True, out_dtype=torch.float32,
+        tiles={"BLOCK_M": 32, "BLOCK_N": 32},
+    )  # fmt: skip
+    err = (out.cpu() - ref).abs().max().item()
+    report("mx_attention causal (tile-faithful reference)", err <= 1e-4, f"max|err|={err:.3g}")
+    return ok
+
+
+def bench_quantize(device: torch.device, sizes: list[int], reps: int) -> None:
+    print("\nquantize (bf16 in, e4m3 + E8M0 out, rceil, block 32)")
+    print(f"{'M=N':>7} {'copy GB/s':>10} {'row GB/s':>9} {'col GB/s':>9} {'row+col GB/s':>13}")
+    for s in sizes:
+        x = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(x)
+        n = s * s
+        one_copy = n + n // 32  # FP8 data + scale bytes
+        t_copy = bench(lambda: dst.copy_(x), device, reps)
+        t_row = bench(lambda: quantize_mx_triton(x, -1), device, reps)
+        t_col = bench(lambda: quantize_mx_triton(x, 0), device, reps)
+        t_both = bench(lambda: quantize_mx_triton_rowcol(x), device, reps)
+        gbs = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
+        print(
+            f"{s:>7} {_rate(gbs(4 * n, t_copy), 10)} {_rate(gbs(2 * n + one_copy, t_row), 9)} "
+            f"{_rate(gbs(2 * n + one_copy, t_col), 9)} "
+            f"{_rate(gbs(2 * n + 2 * one_copy, t_both), 13)}"
+        )
+
+
+def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
+    print("\nGEMM TFLOP/s (bf16 out)")
+    cols = ["mx dot_scaled", "mx hopper", "mm bf16", "_scaled_mm fp8 rowwise"]
+    print(f"{'M=N=K':>7} " + " ".join(f"{c:>22}" for c in cols))
+    for s in sizes:
+        m = n = k = s
+        xa = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        xb = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        a, sa = quantize_mx_triton(xa, -1)
+        b, sb = quantize_mx_triton(xb, 0)
+        flops = 2 * m * n * k
+        row = []
+        for path in ("dot_scaled", "hopper"):
+            try:
+                t = bench(
+                    lambda: mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, path=path), device, reps
+                )
+                row.append(_rate(flops / t / 1e9, 22))
+            except Exception as exc:  # a path the GPU cannot compile
+                row.append(f"{'failed: ' + type(exc).__name__:>22}")
+        row.append(_rate(flops / bench(lambda: xa @ xb, device, reps) / 1e9, 22))
+        if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+            try:
+                a8 = xa.to(torch.float8_e4m3fn)
+                b8 = xb.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B
+                scale_a = torch.ones(m, 1, device=device)
+                scale_b = torch.ones(1, n, device=device)
+                t = bench(
+                    lambda: torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16),
+                    device, reps,
+                )  # fmt: skip
+                row.append(_rate(flops / t / 1e9, 22))
+            except Exception as exc:
+                row.append(f"{'failed: ' + type(exc).__name__:>22}")
+        else:
+            row.append(f"{'n/a':>22}")
+        print(f"{s:>7} " + " ".join(row))
+
+
+def bench_attention(device: torch.device, seqs: list[int], reps: int, heads: int, dim: int) -> None:
+    print(f"\nattention forward TFLOP/s (B=1, H={heads}, D={dim}, bf16 out)")
+    print(f"{'S':>7} {'causal':>7} {'mx attention':>13} {'SDPA bf16':>10}")
+    for s in seqs:
+        for causal in (False, True):
+            xs = [
+                torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16) for _ in range(3)
+            ]
+            q, qs = quantize_mx_triton(xs[0], -1)
+            kq, ks = quantize_mx_triton(xs[1], -1)
+            v, vs = quantize_along(xs[2], 2, E4M3, ScaleMode.RCEIL, 32)  # along keys (setup)
+            flops = 4 * heads * s * s * dim / (2 if causal else 1)
+            t_mx = bench(
+                lambda: mx_attention_triton(q, qs, kq, ks, v, vs, causal=causal), device, reps
+            )
+            t_sdpa = bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=causal),
+                device, reps,
+            )  # fmt: skip
+            print(
+                f"{s:>7} {str(causal):>7} {_rate(flops / t_mx / 1e9, 13)} "
+                f"{_rate(flops / t_sdpa / 1e9, 10)}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.tiny:
+        device = torch.device("cpu")
+        sizes, seqs, reps, heads, dim = [64], [64], 2, 2, 32
+    else:
+        device = torch.device("cuda")
+        sizes, seqs, reps, heads, dim = args.sizes, [1024, 4096, 8192], 1, 16, 128
+    ok, reason = triton_available(device)
+    print(f"device: {device} ({reason})")
+    if not ok:
+        print("cannot run: " + reason, file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    if args.check or args.tiny:
+        print("\ncorrectness checks")
+        if not check(device):
+            print("correctness check FAILED", file=sys.stderr)
+            return 1
+    if "quantize" not in args.skip:
+        bench_quantize(device, sizes, reps)
+    if "gemm" not in args.skip:
+        bench_gemm(device, sizes, reps)
+    if "attention" not in args.skip:
+        bench_attention(device, seqs, reps, heads, dim)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

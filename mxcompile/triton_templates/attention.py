@@ -1,0 +1,384 @@
+"""MX flash attention forward: S = Q K^T with Q and K MX-quantized along head_dim, an online
+softmax in fp32, and O = P V with P and V MX-quantized along the key axis (each block of
+SCALE_BLOCK consecutive keys shares a scale). Both products use `tl.dot_scaled` (native on
+sm100+, emulated by Triton elsewhere); there is no FP8-`tl.dot` variant because P lives in
+registers and cannot be cut into 32-key slices.
+
+P is quantized inside the kernel, per key tile, relative to the running row maximum (values in
+[0, 1]); the softmax denominator sums the unquantized fp32 P. Because the running maximum
+depends on the key tile size, the result depends (slightly) on BLOCK_N: the tile-faithful
+reference `mx_attention_reference(..., block_n=BLOCK_N)` replays the same algorithm in torch
+with the numerics core's quantizer, and `mx_attention_exact` is plain fp32 attention on the
+dequantized Q, K, V.
+
+Template parameters: Q/K/V element formats; P's element format, scale mode and cast.
+`tl.constexpr`s: CAUSAL, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
+Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k, D/bs),
+v (BH, S_k/bs, D). Causal masking is top-left aligned and needs S_q == S_k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..numerics.formats import elem_format, scale_mode
+from ..numerics.quantize import dequantize_along, quantize_along
+from .common import DOT_SCALED_FORMATS, MODULE_HEADER, TRITON_FP8_TYPES, render_mx_helpers
+from .configs import attention_autotune_configs, interpreter_attention_config
+from .render import load_source, render
+
+
+@dataclass(frozen=True)
+class AttentionKey:
+    """Specialisation key of a rendered MX attention kernel. `elem` is the format of P (the
+    formats of Q, K and V come from their dtypes and are in `qkv_elems`)."""
+
+    elem: str = "e4m3"
+    scale_mode: str = "rceil"
+    cast: str = "software"
+    qkv_elems: tuple[str, str, str] = ("e4m3", "e4m3", "e4m3")
+
+
+_KERNEL = """\
+@triton.jit
+def mx_attention_fwd_kernel(
+    # Pointers: FP8 Q, K, V with their uint8 E8M0 scales; the output O.
+    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, v_ptr, v_scale_ptr, o_ptr,
+    # Sizes and the softmax scale
+    S_Q, S_K, sm_scale,
+    # Strides (elements): head, row, column of each tensor
+    stride_qh, stride_qm, stride_qd, stride_qsh, stride_qsm, stride_qsd,
+    stride_kh, stride_kn, stride_kd, stride_ksh, stride_ksn, stride_ksd,
+    stride_vh, stride_vn, stride_vd, stride_vsh, stride_vsn, stride_vsd,
+    stride_oh, stride_om, stride_od,
+    # Meta-parameters
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # a multiple of SCALE_BLOCK
+):
+    # Phase 1: this program's query tile and head; 64-bit offsets.
+    pid_m = tl.program_id(axis=0).to(tl.int64)
+    head = tl.program_id(axis=1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_ds = tl.arange(0, HEAD_DIM // SCALE_BLOCK)
+    mask_m = offs_m < S_Q
+
+    # Phase 2: load the Q tile and its scales once.
+    q = tl.load(
+        q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=mask_m[:, None], other=0.0,
+    )
+    q_scale = tl.load(
+        q_scale_ptr + head * stride_qsh
+        + offs_m[:, None] * stride_qsm + offs_ds[None, :] * stride_qsd,
+        mask=mask_m[:, None], other=127,
+    )
+
+    # Phase 3: online softmax over key tiles (running max m_i, denominator l_i, fp32 acc).
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
+    else:
+        hi = S_K
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < S_K
+        # S = Q K^T: K^T tile (HEAD_DIM, BLOCK_N); its scales (BLOCK_N, HEAD_DIM // 32) are
+        # already in the layout dot_scaled wants for its right operand.
+        k_t = tl.load(
+            k_ptr + head * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=mask_n[None, :], other=0.0,
+        )
+        k_scale = tl.load(
+            k_scale_ptr + head * stride_ksh
+            + offs_n[:, None] * stride_ksn + offs_ds[None, :] * stride_ksd,
+            mask=mask_n[:, None], other=127,
+        )
+        s = tl.dot_scaled(q, q_scale, "${q_format}", k_t, k_scale, "${k_format}") * sm_scale
+        valid = mask_n[None, :] & mask_m[:, None]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        # Softmax statistics; a row with no valid key yet keeps m = -inf and p = 0.
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _mx_max_combine))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.reduce(p, 1, _mx_sum_combine)
+        # P quantized along the key axis, in blocks of SCALE_BLOCK keys.
+        p_blocks = tl.reshape(p, (BLOCK_M, BLOCK_N // SCALE_BLOCK, SCALE_BLOCK))
+        p_data, p_scale = _mx_quantize_blocks(p_blocks, 2)
+        p_data = tl.reshape(p_data, (BLOCK_M, BLOCK_N)).to(${p_type}, bitcast=True)
+        # O += P V: V tile (BLOCK_N, HEAD_DIM); its scales loaded transposed,
+        # (HEAD_DIM, BLOCK_N // 32), as dot_scaled wants for its right operand.
+        v = tl.load(
+            v_ptr + head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=mask_n[:, None], other=0.0,
+        )
+        offs_nb = n0 // SCALE_BLOCK + tl.arange(0, BLOCK_N // SCALE_BLOCK)
+        v_scale = tl.load(
+            v_scale_ptr + head * stride_vsh
+            + offs_nb[None, :] * stride_vsn + offs_d[:, None] * stride_vsd,
+            mask=(offs_nb < S_K // SCALE_BLOCK)[None, :], other=127,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot_scaled(p_data, p_scale, "${p_format}", v, v_scale, "${v_format}", acc)
+        m_i = m_new
+
+    # Phase 4: normalise and store.
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+"""
+
+
+@functools.cache
+def mx_attention_kernel_source(key: AttentionKey) -> str:
+    """The rendered Triton source of the MX attention forward kernel for `key`."""
+    fmt = elem_format(key.elem)
+    q_elem, k_elem, v_elem = (elem_format(e).name for e in key.qkv_elems)
+    return (
+        render(MODULE_HEADER, key=repr(key))
+        + render_mx_helpers(fmt, scale_mode(key.scale_mode), key.cast)
+        + "\n\n"
+        + render(
+            _KERNEL,
+            q_format=DOT_SCALED_FORMATS[q_elem],
+            k_format=DOT_SCALED_FORMATS[k_elem],
+            v_format=DOT_SCALED_FORMATS[v_elem],
+            p_format=DOT_SCALED_FORMATS[fmt.name],
+            p_type=TRITON_FP8_TYPES[fmt.name],
+        )
+    )
+
+
+def mx_attention_module(key: AttentionKey, *, interpret: bool | None = None) -> ModuleType:
+    return load_source(mx_attention_kernel_source(key), "mx_attention", interpret=interpret)
+
+
+@functools.cache
+def _autotuned(key: AttentionKey, block_size: int) -> Any:
+    import triton
+
+    configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
+    kernel = mx_attention_module(key, interpret=False).mx_attention_fwd_kernel
+    return triton.autotune(configs=configs, key=["S_Q", "S_K", "HEAD_DIM", "CAUSAL"])(kernel)
+
+
+_FP8_DTYPE_TO_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def mx_attention_triton(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = False,
+    block_size: int = 32,
+    out_dtype: torch.dtype = torch.bfloat16,
+    p_elem: str = "e4m3",
+    p_scale_mode: str = "rceil",
+    cast: str = "software",
+    tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """MX attention forward. q (..., S_q, D), k and v (..., S_k, D) FP8; scales: q (..., S_q,
+    D/bs) and k (..., S_k, D/bs) along D, v (..., S_k/bs, D) along keys. Returns (..., S_q, D)."""
+    from . import _require
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _FP8_DTYPE_TO_ELEM:
+            raise ValueError(f"{name} must be FP8 ({list(_FP8_DTYPE_TO_ELEM)}), got {t.dtype}")
+        if t.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions")
+    lead = q.shape[:-2]
+    s_q, d = q.shape[-2:]
+    s_k = k.shape[-2]
+    if k.shape[:-2] != lead or v.shape[:-2] != lead or k.shape[-1] != d or v.shape[-2:] != (s_k, d):
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        raise ValueError(f"shapes disagree: {shapes}")
+    others = {"q_scale": q_scale, "k": k, "k_scale": k_scale, "v": v, "v_scale": v_scale}
+    for name, t in others.items():
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+    if block_size != 32:
+        raise ValueError("MX attention uses tl.dot_scaled, whose MX group is 32: block_size=32")
+    if d % block_size or d & (d - 1) or d < 32:
+        raise ValueError(f"head_dim={d} must be a power of two >= 32")
+    if s_k % block_size:
+        raise ValueError(f"S_k={s_k} must be a multiple of block_size={block_size} (V's scales)")
+    if causal and s_q != s_k:
+        raise ValueError("causal=True needs S_q == S_k (top-left aligned mask)")
+    expected = {
+        "q_scale": (q_scale, (*lead, s_q, d // block_size)),
+        "k_scale": (k_scale, (*lead, s_k, d // block_size)),
+        "v_scale": (v_scale, (*lead, s_k // block_size, d)),
+    }
+    scales = {}
+    for name, (t, shape) in expected.items():
+        if t.dtype == torch.float8_e8m0fnu:
+            t = t.view(torch.uint8)
+        if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+            got = f"{t.dtype} {tuple(t.shape)}"
+            raise ValueError(f"{name} must be uint8 of shape {shape}, got {got}")
+        scales[name] = t
+    _require(q.device, elem=p_elem, block_size=block_size)
+    from . import _interpreting
+
+    interpret = _interpreting()
+    key = AttentionKey(
+        elem_format(p_elem).name,
+        scale_mode(p_scale_mode).value,
+        cast,
+        (_FP8_DTYPE_TO_ELEM[q.dtype], _FP8_DTYPE_TO_ELEM[k.dtype], _FP8_DTYPE_TO_ELEM[v.dtype]),
+    )
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, *t.shape[-2:])
+
+    out = attention_launch(
+        flat(q), flat(scales["q_scale"]), flat(k), flat(scales["k_scale"]), flat(v),
+        flat(scales["v_scale"]), key=key, sm_scale=float(sm_scale), causal=causal,
+        block_size=block_size, out_dtype=out_dtype, tiles=tiles, interpret=interpret,
+    )  # fmt: skip
+    return out.reshape(*lead, s_q, d)
+
+
+def attention_launch(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    key: AttentionKey,
+    sm_scale: float,
+    causal: bool,
+    block_size: int,
+    out_dtype: torch.dtype,
+    tiles: dict[str, int] | None,
+    interpret: bool,
+    wrap: Any = None,
+) -> torch.Tensor:
+    """Thin launcher on 3-D (heads, rows, cols) tensors; no validation (see mx_attention_triton)."""
+    import triton
+
+    heads, s_q, d = q.shape
+    s_k = k.shape[1]
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(s_q, meta["BLOCK_M"]), heads)
+
+    meta: dict[str, Any] = {"CAUSAL": causal, "HEAD_DIM": d, "SCALE_BLOCK": block_size}
+    if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
+        return out
+    if tiles is None and not interpret:
+        kernel = _autotuned(key, block_size)
+    else:
+        kernel = mx_attention_module(key, interpret=interpret).mx_attention_fwd_kernel
+        meta.update(tiles or interpreter_attention_config())
+        if meta["BLOCK_N"] % block_size:
+            raise ValueError(f"tiles['BLOCK_N'] must be a multiple of block_size={block_size}")
+    if wrap is not None:
+        kernel = wrap(kernel)
+    kernel[grid](
+        q, q_scale, k, k_scale, v, v_scale, out,
+        s_q, s_k, sm_scale,
+        *q.stride(), *q_scale.stride(), *k.stride(), *k_scale.stride(), *v.stride(),
+        *v_scale.stride(), *out.stride(),
+        **meta,
+    )  # fmt: skip
+    return out
+
+
+def _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size):  # type: ignore[no-untyped-def]
+    qf = dequantize_along(q, q_scale, q.ndim - 1, block_size, torch.float32)
+    kf = dequantize_along(k, k_scale, k.ndim - 1, block_size, torch.float32)
+    vf = dequantize_along(v, v_scale, v.ndim - 2, block_size, torch.float32)
+    return qf, kf, vf
+
+
+def _scores(qf, kf, sm_scale, causal):  # type: ignore[no-untyped-def]
+    s = (qf @ kf.transpose(-1, -2)) * sm_scale
+    if causal:
+        s_q, s_k = s.shape[-2:]
+        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def mx_attention_exact(
+    q,
+    q_scale,
+    k,
+    k_scale,
+    v,
+    v_scale,
+    *,
+    sm_scale=None,
+    causal=False,
+    block_size=32,
+    out_dtype=torch.float32,
+) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """fp32 softmax attention on the exactly dequantized Q, K, V (P not quantized)."""
+    qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    return (torch.softmax(_scores(qf, kf, sm_scale, causal), dim=-1) @ vf).to(out_dtype)
+
+
+def mx_attention_reference(
+    q,
+    q_scale,
+    k,
+    k_scale,
+    v,
+    v_scale,
+    *,
+    sm_scale=None,
+    causal=False,
+    block_size=32,
+    out_dtype=torch.float32,
+    block_n=32,
+    p_elem="e4m3",
+    p_scale_mode="rceil",
+) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The kernel's algorithm replayed in torch with key tiles of `block_n`: online softmax in
+    fp32, P quantized per tile along keys with `mxcompile.numerics.quantize_along`."""
+    qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s_all = _scores(qf, kf, sm_scale, causal)
+    fmt, mode = elem_format(p_elem), scale_mode(p_scale_mode)
+    s_k = s_all.shape[-1]
+    m = torch.full(s_all.shape[:-1], float("-inf"))
+    denom = torch.zeros(s_all.shape[:-1])
+    acc = torch.zeros(*s_all.shape[:-1], vf.shape[-1])
+    for n0 in range(0, s_k, block_n):
+        s = s_all[..., n0 : n0 + block_n]
+        m_new = torch.maximum(m, s.amax(-1))
+        m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp(s - m_use[..., None])
+        alpha = torch.exp(m - m_use)
+        denom = denom * alpha + p.sum(-1)
+        p_data, p_scale = quantize_along(p, p.ndim - 1, fmt, mode, block_size)
+        p_q = dequantize_along(p_data, p_scale, p.ndim - 1, block_size, torch.float32)
+        acc = acc * alpha[..., None] + p_q @ vf[..., n0 : n0 + block_n, :]
+        m = m_new
+    return (acc / denom[..., None]).to(out_dtype)

@@ -1,0 +1,73 @@
+"""Autotune configurations of the generated kernels: every config list comes from here.
+
+Origins:
+  * GEMM: the eight entries under "Good config for fp8 inputs" in the Triton matmul tutorial
+    (python/tutorials/03-matrix-multiplication.py, `get_cuda_autotune_config`); each has a
+    BLOCK_K that is a multiple of the 32-element MX scale block.
+  * Attention: the shapes of the Triton fused-attention tutorial
+    (python/tutorials/06-fused-attention.py): BLOCK_M 64/128, BLOCK_N 64/128, 3 stages, 4-8 warps.
+  * Quantize: chosen here, not taken from a tutorial: a memory-bound kernel wants tiles of 4-32 K
+    elements and 4-8 warps; both tile sides are multiples of the 32-element scale block so that a
+    tile holds whole row-wise and column-wise blocks. Untimed so far (no GPU was available).
+
+Under TRITON_INTERPRET=1 the launchers do not autotune (there is no device to time): they use
+`interpreter_*_config`, large tiles because the interpreter runs each program as numpy code.
+"""
+
+from __future__ import annotations
+
+import triton
+
+
+def quantize_autotune_configs() -> list[triton.Config]:
+    """Tile configs of the quantize kernel (BLOCK_M, BLOCK_N multiples of 32)."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=1)
+        for bm, bn, w in [
+            (32, 128, 4),
+            (64, 64, 4),
+            (64, 128, 4),
+            (128, 64, 4),
+            (128, 128, 8),
+            (64, 256, 8),
+        ]
+    ]
+
+
+def mx_mm_autotune_configs() -> list[triton.Config]:
+    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list)."""
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w
+        )
+        for bm, bn, bk, s, w in [
+            (128, 256, 128, 3, 8),
+            (256, 128, 128, 3, 8),
+            (256, 64, 128, 4, 4),
+            (64, 256, 128, 4, 4),
+            (128, 128, 128, 4, 4),
+            (128, 64, 64, 4, 4),
+            (64, 128, 64, 4, 4),
+            (128, 32, 64, 4, 4),
+        ]
+    ]
+
+
+def attention_autotune_configs() -> list[triton.Config]:
+    """Tile configs of the MX attention forward kernel (Triton fused-attention tutorial)."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in [(64, 64, 3, 4), (128, 64, 3, 8), (128, 128, 3, 8), (64, 128, 3, 4)]
+    ]
+
+
+def interpreter_quantize_config() -> dict[str, int]:
+    return {"BLOCK_M": 64, "BLOCK_N": 64}
+
+
+def interpreter_mx_mm_config() -> dict[str, int]:
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
+
+
+def interpreter_attention_config() -> dict[str, int]:
+    return {"BLOCK_M": 32, "BLOCK_N": 32}

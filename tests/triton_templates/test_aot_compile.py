@@ -1,0 +1,115 @@
+"""The generated kernels compile for real GPU targets (to a cubin), with no GPU present.
+
+The interpreter tests check numerics; these check that the same sources lower for Hopper
+(sm90: FP8 wgmma, emulated dot_scaled) and Blackwell (sm100: native block-scaled MMA), through
+the launchers' own argument lists (run on `meta` tensors, launches captured)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxcompile.numerics import E4M3, ScaleMode
+from mxcompile.triton_templates.aot import compile_launch
+from mxcompile.triton_templates.attention import AttentionKey, attention_launch
+from mxcompile.triton_templates.mx_gemm import MXMMKey, mx_mm_launch
+from mxcompile.triton_templates.quantize import quantize_launch
+
+META = torch.device("meta")
+
+
+@pytest.fixture(autouse=True)
+def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device=META)
+
+
+@pytest.mark.parametrize("cast", ["software", "hardware"])
+def test_quantize_compiles_sm90(cast: str) -> None:
+    x = _empty(4096, 4096, dtype=torch.bfloat16)
+    (kernel,) = compile_launch(
+        lambda wrap: quantize_launch(
+            x,
+            rowwise=True,
+            colwise=True,
+            fmt=E4M3,
+            mode=ScaleMode.RCEIL,
+            block_size=32,
+            cast=cast,
+            tiles={"BLOCK_M": 64, "BLOCK_N": 64},
+            interpret=False,
+            wrap=wrap,
+        ),  # fmt: skip
+        90,
+    )
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"]
+    # The hardware cast is the saturating round-to-nearest-even conversion instruction.
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (cast == "hardware")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability,dot_scaled", [(90, False), (90, True), (100, True)])
+def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
+    m = n = k = 4096
+    a, b = _empty(m, k, dtype=torch.float8_e4m3fn), _empty(k, n, dtype=torch.float8_e4m3fn)
+    sa, sb = _empty(m, k // 32, dtype=torch.uint8), _empty(k // 32, n, dtype=torch.uint8)
+    bias, mul = _empty(n, dtype=torch.float32), _empty(m, n, dtype=torch.bfloat16)
+    key = MXMMKey(epilogue=("bias", "silu", "mul"))
+    (kernel,) = compile_launch(
+        lambda wrap: mx_mm_launch(
+            a,
+            sa,
+            b,
+            sb,
+            block_size=32,
+            out_dtype=torch.bfloat16,
+            key=key,
+            use_dot_scaled=dot_scaled,
+            quantize_out=True,
+            bias=bias,
+            mul=mul,
+            tiles={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8},
+            interpret=False,
+            wrap=wrap,
+        ),  # fmt: skip
+        capability,
+    )
+    ptx = kernel.asm["ptx"]
+    if capability == 90:
+        assert "wgmma" in ptx  # Hopper tensor-core MMA, for both paths
+    else:
+        assert "tcgen05.mma" in ptx  # Blackwell MMA: dot_scaled is native there
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", [90, 100])
+def test_attention_compiles(capability: int) -> None:
+    heads, s, d = 8, 1024, 64
+    q = _empty(heads, s, d, dtype=torch.float8_e4m3fn)
+    qs = _empty(heads, s, d // 32, dtype=torch.uint8)
+    vs = _empty(heads, s // 32, d, dtype=torch.uint8)
+    (kernel,) = compile_launch(
+        lambda wrap: attention_launch(
+            q,
+            qs,
+            q,
+            qs,
+            q,
+            vs,
+            key=AttentionKey(),
+            sm_scale=0.125,
+            causal=True,
+            block_size=32,
+            out_dtype=torch.bfloat16,
+            tiles={"BLOCK_M": 64, "BLOCK_N": 64},
+            interpret=False,
+            wrap=wrap,
+        ),  # fmt: skip
+        capability,
+    )
+    assert kernel.asm["cubin"]

@@ -1,0 +1,30 @@
+"""benchmarks/gpu_kernels.py --tiny: the benchmark script's CPU smoke run (interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "MXCOMPILE_TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself before importing triton
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "FAIL" not in out and out.count("[ok]") == 7
+    for header in ("quantize (bf16 in", "GEMM TFLOP/s", "attention forward TFLOP/s"):
+        assert header in out
