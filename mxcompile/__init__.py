@@ -10,7 +10,8 @@ from ._version import __version__
 from .backend import compile
 from .config import MXConfig
 from .explain import explain
-from .numerics import MXTensor, dequantize_mx, mx_matmul, quantize_mx
+from .api import mx_matmul, quantize_mx
+from .numerics import MXTensor, dequantize_mx
 from .report import Report
 
 __all__ = [

@@ -98,9 +98,19 @@ def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         return trace(*example_inputs)
 
 
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+
+
 def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """CUDA graphs: MX ops on CUDA tensors become the Triton template ops (kept by Inductor as
+    triton_op kernels); what remains, and every CPU graph, is decomposed for Inductor."""
     from torch._inductor.compile_fx import compile_fx_inner
 
+    if _on_cuda(example_inputs):
+        from .triton_templates.ops import use_triton_kernels
+
+        use_triton_kernels(gm)
     return compile_fx_inner(decompose_mx_ops(gm, example_inputs), example_inputs)
 
 
