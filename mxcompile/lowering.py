@@ -12,24 +12,27 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .numerics import dequantize_along, elem_format, scale_mode
-from .numerics.rounding import fake_quantize_along
-from .ops import DECOMPOSITIONS, gemm_operand_dtype
+from .ops import (
+    DECOMPOSITIONS,
+    dequantize_for_inductor,
+    fake_quantize_for_inductor,
+    gemm_operand_dtype,
+)
 
 MX_OPS = frozenset(DECOMPOSITIONS)
+
+# Inductor recomputes a pointwise producer inside every consumer unless it counts as heavy. An
+# MX operand is read four times (amax and apply along each of two axes), so a GELU (erf, which
+# Inductor's CPU heuristic does not count as heavy) was recomputed four times per element.
+# Pointwise nodes with more ops than this, read more than once, are stored instead. Plain
+# casts and views stay fused.
+REALIZE_OPCOUNT_THRESHOLD = 50
 _QUANTIZE = torch.ops.mxcompile.quantize.default
 _MX_MM = torch.ops.mxcompile.mx_mm.default
-
-
-def _fake_quantized_operand(x, axis, elem, mode, block_size, dtype):
-    return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode(mode), block_size, dtype)
-
-
-def _dequantized_operand(data, scale, axis, block_size, dtype):
-    return dequantize_along(data, scale, axis, block_size, dtype)
 
 
 def _matmul(a, b, out_dtype):
@@ -65,11 +68,11 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
                 producer = _producing_quantize(data, scale)
                 if producer is not None:
                     operands.append(gm.graph.call_function(
-                        _fake_quantized_operand, (*producer.args, operand_dtype)))
+                        fake_quantize_for_inductor, (*producer.args, operand_dtype)))
                 else:
                     ndim = data.meta["val"].ndim
                     operands.append(gm.graph.call_function(
-                        _dequantized_operand, (data, scale, axis % ndim, block_size, operand_dtype)))
+                        dequantize_for_inductor, (data, scale, axis % ndim, block_size, operand_dtype)))
             product = gm.graph.call_function(_matmul, (*operands, out_dtype))
         node.replace_all_uses_with(product)
         gm.graph.erase_node(node)
@@ -111,7 +114,9 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
         from .triton_templates.ops import use_triton_kernels
 
         use_triton_kernels(gm)
-    return compile_fx_inner(decompose_mx_ops(gm, example_inputs), example_inputs)
+    gm = decompose_mx_ops(gm, example_inputs)
+    with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD):
+        return compile_fx_inner(gm, example_inputs)
 
 
 def eager_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

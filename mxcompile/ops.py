@@ -9,16 +9,22 @@ code generation cannot handle torch.float8_e8m0fnu.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from .numerics import (
+    E8M0_NAN,
     dequantize_along,
     elem_format,
+    inverse_scale_fp32_from_bytes,
     quantize_along,
+    scale_bytes_from_amax,
+    scale_fp32_from_bytes,
     scale_mode,
 )
+from .numerics.rounding import fake_quantize_blocks, quantize_blocks
 
 
 
@@ -63,18 +69,23 @@ def _mx_mm(
 def quantize_op(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX-quantize x along axis: (fp8 data of x's shape, uint8 scale bytes)."""
+    """MX-quantize x along axis: (fp8 data of x's shape, uint8 scale bytes).
+
+    The data keeps x's memory layout (that of `torch.empty_like(x)`), so that the transposed
+    weight of a linear layer is quantized in its own memory order; the scales are contiguous.
+    """
     data, scale = _quantize(x, axis, elem, scale_mode, block_size)
-    return data.contiguous(), scale.contiguous()
+    out = torch.empty_like(x, dtype=data.dtype)
+    out.copy_(data)
+    return out, scale.contiguous()
 
 
 @quantize_op.register_fake
 def _quantize_fake(x, axis, elem, scale_mode, block_size):
-    shape = list(x.shape)
-    scale_shape = list(shape)
+    scale_shape = list(x.shape)
     scale_shape[axis % x.ndim] //= block_size
     return (
-        x.new_empty(shape, dtype=elem_format(elem).dtype),
+        torch.empty_like(x, dtype=elem_format(elem).dtype),
         x.new_empty(scale_shape, dtype=torch.uint8),
     )
 
@@ -111,17 +122,113 @@ def _mx_mm_fake(a, a_scale, b, b_scale, block_size, out_dtype):
     return a.new_empty((*batch, a.shape[-2], b.shape[-1]), dtype=out_dtype)
 
 
-def _contiguous_pair(fn: Callable) -> Callable:
-    def wrapped(*args):
-        data, scale = fn(*args)
-        return data.contiguous(), scale.contiguous()
+@torch.library.custom_op("mxcompile::block_scales", mutates_args=())
+def block_scales_op(
+    amax: torch.Tensor, elem: str, scale_mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-block (uint8 scale bytes, fp32 scale, fp32 inverse scale) from fp32 block amax.
 
-    return wrapped
+    An op of its own in Inductor graphs on purpose: it runs once per block (1/32 of the
+    elements), whereas inlined into the fused element loop its int/float bitcasts would run,
+    unvectorized, once per element.
+    """
+    return _compiled_block_scales()(amax, elem, scale_mode)
 
 
-# Pure-PyTorch definitions of the ops, used to decompose them before Inductor lowers a graph.
+def _block_scales(amax: torch.Tensor, elem: str, mode: str):
+    scale_bytes = scale_bytes_from_amax(amax, elem_format(elem), _scale_mode(mode))
+    return (scale_bytes.to(torch.uint8), scale_fp32_from_bytes(scale_bytes),
+            inverse_scale_fp32_from_bytes(scale_bytes))
+
+
+@functools.cache
+def _compiled_block_scales() -> Callable:
+    """_block_scales compiled once per process: a dozen small eager ops cost more than the
+    fused quantization loop they feed (each is a parallel region of its own)."""
+    return torch.compile(_block_scales, dynamic=True, fullgraph=True)
+
+
+@block_scales_op.register_fake
+def _block_scales_fake(amax, elem, scale_mode):
+    return (torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax),
+            torch.empty_like(amax))
+
+
+_scale_mode = scale_mode
+
+
+def _is_transposed_contiguous(x: torch.Tensor) -> bool:
+    """x is the transpose (of its last two dims) of a contiguous tensor, e.g. Wt of a linear."""
+    return x.ndim >= 2 and not x.is_contiguous() and x.mT.is_contiguous()
+
+
+def _swap_last_two(axis: int, ndim: int) -> int:
+    return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis)
+
+
+def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int):
+    """x split into fp32 blocks along `axis` in place, (..., n/bs, bs, ...), and their scales.
+
+    The block dimension stays where it is rather than being moved last, so that the memory
+    order is kept and Inductor vectorizes along the contiguous dimension for every axis.
+    """
+    shape = x.shape
+    blocks = x.reshape(*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1:])
+    blocks = blocks.to(torch.float32)
+    amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
+    return blocks, torch.ops.mxcompile.block_scales(amax, elem, mode)
+
+
+def quantize_for_inductor(
+    x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
+    (tests/test_ops.py), vectorizable element loops (`numerics.rounding`), no transposition
+    of a transposed-contiguous input."""
+    axis %= x.ndim
+    if _is_transposed_contiguous(x):
+        data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, mode, block_size)
+        return data.mT, scales.mT.contiguous()
+    fmt = elem_format(elem)
+    blocks, (scale_bytes, _scale, inverse) = _blocks_and_scales(x, axis, elem, mode, block_size)
+    values = quantize_blocks(blocks, inverse, fmt)
+    # NaN blocks: the positive NaN, whatever NaN the arithmetic produced (fmt.nan_byte).
+    values = torch.where(scale_bytes == E8M0_NAN, float("nan"), values)
+    data = values.to(fmt.dtype).reshape(x.shape)
+    return data, scale_bytes.squeeze(axis + 1).contiguous()
+
+
+def fake_quantize_for_inductor(
+    x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """dequantize(quantize(x)) as `dtype` without an fp8 round trip (an MX GEMM operand)."""
+    axis %= x.ndim
+    if _is_transposed_contiguous(x):
+        swapped = _swap_last_two(axis, x.ndim)
+        return fake_quantize_for_inductor(x.mT, swapped, elem, mode, block_size, dtype).mT
+    fmt = elem_format(elem)
+    blocks, (_bytes, scale, inverse) = _blocks_and_scales(x, axis, elem, mode, block_size)
+    return fake_quantize_blocks(blocks, scale, inverse, fmt).to(dtype).reshape(x.shape)
+
+
+def dequantize_for_inductor(
+    data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """mxcompile::dequantize with blocks split in place (no movedim, no repeat_interleave)."""
+    axis %= data.ndim
+    if _is_transposed_contiguous(data):
+        swapped = _swap_last_two(axis, data.ndim)
+        return dequantize_for_inductor(data.mT, scale.mT, swapped, block_size, dtype).mT
+    shape = data.shape
+    blocks = data.reshape(*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1:])
+    values = blocks.to(torch.float32) * scale_fp32_from_bytes(scale).unsqueeze(axis + 1)
+    return values.reshape(shape).to(dtype)
+
+
+# Definitions of the ops for Inductor, used to decompose them before Inductor lowers a graph
+# (mxcompile::block_scales stays an op: see its docstring).
 DECOMPOSITIONS: dict = {
-    torch.ops.mxcompile.quantize.default: _contiguous_pair(_quantize),
-    torch.ops.mxcompile.dequantize.default: lambda *a: _dequantize(*a).contiguous(),
+    torch.ops.mxcompile.quantize.default: quantize_for_inductor,
+    torch.ops.mxcompile.dequantize.default: lambda *a: dequantize_for_inductor(*a).contiguous(),
     torch.ops.mxcompile.mx_mm.default: lambda *a: _mx_mm(*a).contiguous(),
 }
