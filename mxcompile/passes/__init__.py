@@ -11,11 +11,13 @@ import torch.fx as fx
 
 from ..config import MXConfig
 from ..report import PassResult
+from .attention_rewrite import rewrite_attention
 from .gemm_rewrite import rewrite_gemms
 
 Pass = Callable[[fx.GraphModule, MXConfig, str], PassResult]
 
 PIPELINE: tuple[tuple[str, Pass], ...] = (
+    ("attention_rewrite", rewrite_attention),  # first: claims attention's bmm's before gemm_rewrite
     ("gemm_rewrite", rewrite_gemms),
 )
 

@@ -163,7 +163,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):
-        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" else None
+        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" and "mxcompile_attention" not in node.meta else None  # attention_rewrite decided on claimed nodes
         if pattern is None:
             continue
         lhs_node, rhs_node = node.args[pattern.lhs_arg], node.args[pattern.rhs_arg]

@@ -17,7 +17,9 @@ from torch._guards import detect_fake_mode
 
 GRAPH_INFO_KEY = "mxcompile_graph_info"
 
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# Dynamo roots module paths at the compiled callable: L['self'], L['fn'], or, when a module is
+# reached through a wrapper's positional arguments, L['args'][0].
+_DYNAMO_ROOT = re.compile(r"^L\['(?:args'\]\[\d+|[^']*')\]\.?")
 _INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 
 
