@@ -24,9 +24,12 @@ from torch._inductor.decomposition import select_decomp_table
 
 from . import ops as _ops  # noqa: F401  (registers the mxcompile:: ops the passes insert)
 from .config import MXConfig
+from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
+from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import eager_compiler, inductor_compiler
 from .passes import PassError, run_pipeline
 from .passes.graph_facts import GRAPH_INFO_KEY, GraphInfo, concrete_int
+from .passes.memory_plan import plan_and_partition
 from .report import GraphSnapshot, Report
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
@@ -84,6 +87,9 @@ def compile_graph(
 ) -> Callable:
     """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering."""
     report = report if report is not None else Report(config.to_dict())
+    # DTensor inputs (tensor parallelism) whose shards cut MX blocks; seen before AOTAutograd
+    # flattens them into local tensors.
+    sharded = misaligned_input_dims(example_inputs, config.block_size)
 
     def rewrite(graph: fx.GraphModule, name: str) -> bool:
         """Run the pipeline on `graph`; False (graph untouched) when a pass failed and
@@ -105,13 +111,15 @@ def compile_graph(
         return True
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-        params = tuple(kwargs.get("static_lifetime_input_indices") or ())
-        joint.meta[GRAPH_INFO_KEY] = GraphInfo("joint", num_fwd_outputs, params)
+        params = param_placeholder_indices(joint, tuple(kwargs.get("static_lifetime_input_indices") or ()))
+        joint.meta[GRAPH_INFO_KEY] = GraphInfo(
+            "joint", num_fwd_outputs, params, tuple(misaligned_placeholders(joint, sharded).items()))
         fw_before, bw_before = min_cut_rematerialization_partition(
             clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         rewrite(joint, "joint")
-        fw, bw = min_cut_rematerialization_partition(
-            joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw, bw = plan_and_partition(  # plain min-cut unless config.memory_budget is set
+            joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
+            num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
         before = saved_tensors(fw_before, num_fwd_outputs, params)
         after = saved_tensors(fw, num_fwd_outputs, params)
         report.saved_bytes_before += sum(r["bytes"] for r in before)
@@ -122,6 +130,8 @@ def compile_graph(
         return fw, bw
 
     def inference(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        graph.meta[GRAPH_INFO_KEY] = GraphInfo(
+            "inference", misaligned_shards=tuple(misaligned_placeholders(graph, sharded).items()))
         before = _readable(graph)
         rewrite(graph, "inference")
         report.graphs.append(GraphSnapshot("inference", before, _readable(graph)))

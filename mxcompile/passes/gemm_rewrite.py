@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import MXConfig
+from ..distributed.shard_check import sharded_contraction_reason
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -109,6 +110,12 @@ def _ineligibility(
     for name, t in (("lhs", lhs), ("rhs", rhs)):
         if t.dtype not in _MX_DTYPES:
             return f"{name} dtype {t.dtype} is not one of {[str(d) for d in _MX_DTYPES]}"
+    misaligned = dict(graph_info(node.graph.owning_module).misaligned_shards)
+    for arg, axis in ((pattern.lhs_arg, pattern.lhs_contraction_axis),
+                      (pattern.rhs_arg, pattern.rhs_contraction_axis)):
+        reason = sharded_contraction_reason(node.args[arg], axis, misaligned, config.block_size)
+        if reason is not None:
+            return reason
     k = lhs.shape[pattern.lhs_contraction_axis]
     if not statically_known_true(k % config.block_size == 0):
         return (

@@ -30,6 +30,8 @@ class GraphInfo:
     kind: str  # "joint" or "inference"
     num_fwd_outputs: int = 0
     param_input_indices: tuple[int, ...] = ()  # placeholders that are parameters or buffers
+    # placeholders (by name) whose dims (the tuple) are DTensor shards cutting MX blocks
+    misaligned_shards: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def graph_info(gm: fx.GraphModule) -> GraphInfo:
