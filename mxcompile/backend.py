@@ -26,7 +26,7 @@ from . import ops as _ops  # noqa: F401  (registers the mxcompile:: ops the pass
 from .config import MXConfig
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
-from .lowering import eager_compiler, inductor_compiler
+from .lowering import inductor_compiler
 from .passes import PassError, run_pipeline
 from .passes.graph_facts import GRAPH_INFO_KEY, GraphInfo, concrete_int
 from .passes.memory_plan import plan_and_partition

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .numerics import DEFAULT_BLOCK_SIZE, ELEM_FORMATS, ScaleMode, check_block_size

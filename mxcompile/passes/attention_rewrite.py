@@ -48,7 +48,7 @@ import contextlib
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
