@@ -13,7 +13,12 @@ Flow (:func:`plan_and_partition`, called by ``backend.compile_graph``'s partitio
    from the source (it cannot be recomputed). We set no ``ac_graph_id``: that id only makes
    the partitioner save the boundary between *different* checkpoint regions, and our
    recompute closures already end at saved tensors;
-4. partition the tagged joint graph;
+4. partition the tagged joint graph, and model the peak of *that* partition (the adapter again,
+   with the planned offloads). The partitioner does not follow the plan to the byte: it
+   replays a recomputed op's sibling outputs, keeps a recompute closure's intermediates alive
+   in the backward, may save a cheaper neighbour. If the modelled peak overshoots the budget,
+   plan again with the target lowered by the overshoot (at most ``MAX_PLAN_ROUNDS`` times)
+   and keep the partition with the lowest peak;
 5. for offloaded tensors, wrap the saved value in ``mxcompile::offload`` (forward, after its
    last forward use) and ``mxcompile::reload`` (backward, before its first use).
 
@@ -30,6 +35,7 @@ mechanism.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,13 +45,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import MXConfig
 from ..cost.profiles import PROFILES, DeviceProfile, measure_cpu_profile
-from ..planner import KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, plan_activation_memory
+from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
 from ..report import Report
 
 HOST_DEVICE = torch.device("cpu")
 PLAN_SOLVER = "auto"  # the ILP for small graphs, the heuristic for large (see mxcompile.planner)
 PLAN_TIME_LIMIT_S = 5.0  # per ILP solve; the plan is part of compile time
+MAX_PLAN_ROUNDS = 4  # plan, partition, check the partition's peak; re-plan tighter if it overshot
 CURVE_FRACTIONS: tuple[float, ...] = (1.0, 0.75, 0.5, 0.3)  # report.memory_plan["budget_curve"]
 CURVE_SOLVER = "heuristic"  # the curve is informative: the fast, monotone solver is enough
 DEFAULT_GPU_PROFILE = "H100 SXM"  # for a CUDA device whose name matches no known profile
@@ -212,6 +219,14 @@ def plan_report(plan: Plan, adapted: AdapterResult, *, profile: DeviceProfile) -
     }
 
 
+def _restore_tags(original: dict[fx.Node, Any]) -> None:
+    for node, tag in original.items():
+        if tag is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = tag
+
+
 def _record(report: Report, entry: dict[str, Any]) -> None:
     """One dynamo graph's plan: its keys at the top level (the common one-graph case), and
     every graph's plan under "graphs"."""
@@ -248,28 +263,55 @@ def plan_and_partition(
     profile = profile_for(joint)
     adapted = build_problem(fw0, bw0, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
                             profile=profile, budget=config.memory_budget, offload=config.offload)
-    plan = plan_activation_memory(adapted.problem, solver=PLAN_SOLVER, time_limit_s=PLAN_TIME_LIMIT_S)
-    tags = tag_joint(joint, plan, adapted)
-    fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    budget = adapted.problem.budget_bytes
+    original_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
+    target = budget
+    best: tuple[int, Plan, dict[str, int], fx.GraphModule, fx.GraphModule, AdapterResult | None] | None = None
+    rounds = 0
+    for rounds in range(1, MAX_PLAN_ROUNDS + 1):
+        try:
+            plan = plan_activation_memory(replace(adapted.problem, budget_bytes=target), solver=PLAN_SOLVER,
+                                          time_limit_s=PLAN_TIME_LIMIT_S)
+        except BudgetInfeasibleError:
+            if best is None:
+                raise  # the budget itself is infeasible: a configuration error for the user
+            break  # a tightened target is infeasible: keep the best partition found
+        _restore_tags(original_tags)
+        tags = tag_joint(joint, plan, adapted)
+        fw, bw = partition_fn(clone(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        realized = build_problem(fw, bw, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
+                                 profile=profile, offload=config.offload)
+        offload_names = {d.name for d in plan.decisions if d.decision == OFFLOAD}
+        peak = evaluate(realized.problem, {t.name: OFFLOAD if t.name in offload_names else KEEP
+                                           for t in realized.problem.tensors}).peak_bytes
+        if best is None or peak < best[0]:
+            best = (peak, plan, tags, fw, bw, realized)
+        if peak <= budget:
+            break
+        target -= peak - budget  # the partition overshot the model: plan again, tighter by the overshoot
+    _restore_tags(original_tags)
+    assert best is not None
+    peak, plan, tags, fw, bw, realized = best
     entry = plan_report(plan, adapted, profile=profile)
-    entry["tags"] = tags
+    entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, tags=tags, plan_rounds=rounds,
+                 realized_peak_bytes=peak, realized_saved_bytes=sum(t.nbytes for t in realized.problem.tensors),
+                 budget_met=peak <= budget)
+    if peak > budget:
+        warnings.warn(
+            f"memory plan: the partitioned graph's modelled peak {peak} B exceeds memory_budget {budget} B after "
+            f"{rounds} planning rounds; raise memory_budget to at least {peak} bytes to meet it exactly",
+            stacklevel=2,
+        )
     offloaded = [d.name for d in plan.decisions if d.decision == OFFLOAD]
     entry["offload_applied"] = insert_offload(fw, bw, offloaded, num_fwd_outputs) if offloaded else []
-    # What the partitioner actually saved, against the plan (it may save a cheaper neighbour).
+    # What the partitioner actually saved, against the plan (it may recompute a sibling output
+    # of a recomputed op, or save a cheaper neighbour): informational.
     saved_after = _saved_names(fw, num_fwd_outputs)
     planned_keep = {d.name for d in plan.decisions if d.decision in (KEEP, OFFLOAD) and d.nbytes > 0}
     recomputed = {d.name for d in plan.decisions if d.decision == RECOMPUTE}
     entry["deviations"] = sorted(
         [f"{n}: planned {RECOMPUTE}, still saved" for n in recomputed & saved_after]
         + [f"{n}: planned kept, not saved" for n in planned_keep - saved_after]
-    )
-    if entry["deviations"]:
-        warnings.warn(f"memory plan applied with deviations: {entry['deviations']}", stacklevel=2)
-    realized = build_problem(fw, bw, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
-                             profile=profile) if not offloaded else None
-    entry["realized_peak_bytes"] = realized.keep_all_peak_bytes if realized is not None else None
-    entry["realized_saved_bytes"] = (
-        sum(t.nbytes for t in realized.problem.tensors) if realized is not None else None
     )
     _record(report, entry)
     return fw, bw

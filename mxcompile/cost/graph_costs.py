@@ -1,0 +1,165 @@
+"""Static cost estimates for FX graph nodes: bytes of a value, FLOPs, and a roofline time.
+
+Pure functions over FX graphs whose nodes carry fake-tensor metadata (``node.meta["val"]``),
+as AOTAutograd's joint and partitioned graphs do. They feed the memory planner's schedule
+(:mod:`mxcompile.planner.fx_adapter`), where only the *relative* cost of steps matters: the
+planner trades recompute time against memory, so an estimate that ranks ops correctly is
+enough; no estimate here is a measurement.
+
+Conventions
+    * Bytes are ``numel * element_size`` of every tensor in the value (a tuple of tensors
+      counts each), so fp8 data (1 byte per element) and uint8 MX scales (1 byte per block)
+      are counted exactly. Symbolic sizes use their runtime hint.
+    * FLOPs are counted exactly for GEMMs only (``aten.mm``, ``aten.addmm``, ``aten.bmm``,
+      ``mxcompile::mx_mm``): ``2 * M * N * K`` (times the batch). Every other op is treated
+      as memory-bound: its cost is the bytes it reads and writes.
+    * Aliasing ops (views, ``getitem``) move no data and cost nothing.
+    * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from ..passes.graph_facts import concrete_int
+from .profiles import DeviceProfile
+
+FLOPS_PER_MULTIPLY_ADD = 2
+MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
+MX_GEMM_DTYPE = "fp8"  # mxcompile::mx_mm runs at the device's (MX)FP8 tensor-core rate
+
+_aten = torch.ops.aten
+_GEMM_TARGETS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default)
+
+# torch dtype -> DeviceProfile.peak_flops key; dtypes a profile may lack fall back in order.
+_DTYPE_KEYS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.float32: ("fp32",),
+    torch.float64: ("fp64", "fp32"),
+    torch.bfloat16: ("bf16",),
+    torch.float16: ("fp16", "bf16"),
+    torch.float8_e4m3fn: ("fp8",),
+    torch.float8_e5m2: ("fp8",),
+}
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of a node value: a tensor, or a (nested) tuple/list of tensors; 0 for non-tensors.
+
+    Uses ``numel * element_size``, i.e. the bytes a contiguous copy occupies (what an
+    allocation for this value costs), not the size of a possibly larger base storage.
+    """
+    if isinstance(value, torch.Tensor):
+        numel = 1
+        for size in value.shape:
+            numel *= concrete_int(size) or 0
+        return numel * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(value_bytes(v) for v in value)
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s value (``meta["val"]``); 0 when it has none."""
+    return value_bytes(node.meta.get("val"))
+
+
+def is_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s output aliases an input (a view, or ``getitem`` of a tuple): such a
+    node allocates nothing and moves no data."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _is_mx_mm(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.name == MX_MM_SCHEMA_NAME
+
+
+def _val(arg: Any) -> torch.Tensor | None:
+    value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _dims(t: torch.Tensor) -> list[int]:
+    return [concrete_int(s) or 0 for s in t.shape]
+
+
+def _gemm_operands(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if node.op != "call_function":
+        return None
+    if node.target in (_aten.mm.default, _aten.bmm.default):
+        a, b = _val(node.args[0]), _val(node.args[1])
+    elif node.target is _aten.addmm.default:
+        a, b = _val(node.args[1]), _val(node.args[2])
+    elif _is_mx_mm(node):
+        a, b = _val(node.args[0]), _val(node.args[2])  # (a, a_scale, b, b_scale, ...)
+    else:
+        return None
+    if a is None or b is None:
+        return None
+    return a, b
+
+
+def node_flops(node: fx.Node) -> int:
+    """Floating-point operations of ``node``: exact ``2 * M * N * K`` (times the batch) for
+    GEMMs, 0 for everything else (those are costed by bytes, see :func:`bytes_moved`)."""
+    operands = _gemm_operands(node)
+    if operands is None:
+        return 0
+    a, b = operands
+    a_dims, b_dims = _dims(a), _dims(b)
+    m, k = a_dims[-2], a_dims[-1]
+    n = b_dims[-1]
+    batch = 1
+    for size in torch.broadcast_shapes(tuple(a_dims[:-2]), tuple(b_dims[:-2])):
+        batch *= size
+    return FLOPS_PER_MULTIPLY_ADD * batch * m * n * k
+
+
+def _input_nodes(node: fx.Node) -> Iterable[fx.Node]:
+    return node.all_input_nodes
+
+
+def bytes_moved(node: fx.Node) -> int:
+    """Bytes ``node`` reads and writes: its tensor inputs plus its output; 0 for aliases and
+    for placeholders / outputs."""
+    if node.op != "call_function" or is_alias(node):
+        return 0
+    return node_bytes(node) + sum(node_bytes(arg) for arg in _input_nodes(node))
+
+
+def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
+    """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm``, else its
+    operand dtype (falling back to the nearest rate the profile has, then "fp32")."""
+    if _is_mx_mm(node):
+        return MX_GEMM_DTYPE
+    operands = _gemm_operands(node)
+    dtype = operands[0].dtype if operands is not None else torch.float32
+    for key in _DTYPE_KEYS.get(dtype, ("fp32",)):
+        if key in profile.peak_flops:
+            return key
+    return "fp32"
+
+
+def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
+    """Roofline estimate of ``node``'s run time on ``profile``, in seconds."""
+    flops = node_flops(node)
+    compute = flops / profile.flops(flops_dtype_key(node, profile)) if flops else 0.0
+    memory = bytes_moved(node) / profile.memory_bandwidth
+    return max(compute, memory)
+
+
+def graph_time_s(graph: fx.Graph, profile: DeviceProfile) -> float:
+    """Sum of :func:`node_time_s` over the graph's nodes (ops run one after another)."""
+    return sum(node_time_s(node, profile) for node in graph.nodes)
