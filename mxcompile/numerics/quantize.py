@@ -82,35 +82,58 @@ def check_quantizable(x: torch.Tensor, axis: int, block_size: int) -> int:
     return axis
 
 
+def _quantize_blocks(
+    x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize blocks of `block_size` consecutive elements along `axis` (non-negative).
+
+    The blocks are a view of x in its own layout: `axis` is split into (blocks, block_size) and
+    the block's amax is reduced over the new inner dimension. Nothing is transposed, so
+    Inductor generates a vertical (vectorized across columns) reduction for axis 0 and the
+    outputs come out contiguous in x's axis order.
+    """
+    shape = x.shape
+    blocked = (*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1 :])
+    blocks = x.reshape(blocked).to(torch.float32)
+    amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
+    scale_bytes = scale_bytes_from_amax(amax, fmt, mode)
+    scaled = blocks * inverse_scale_fp32_from_bytes(scale_bytes)
+    # Clamp before the cast: the cast is round-to-nearest-even, the clamp makes it saturating.
+    scaled = scaled.clamp(-fmt.max_normal, fmt.max_normal)
+    # Every element of a NaN block is the positive NaN (the arithmetic may have produced a NaN
+    # with the sign bit set). Chosen in fp32 rather than on the fp8 bytes: a uint8 view and a
+    # `where` on it cost Inductor an extra pass over the data; casting +NaN gives the NaN byte
+    # 0x7F (fmt.nan_byte) for both e4m3 and e5m2, in eager and in Inductor's vectorized cast.
+    scaled = torch.where(scale_bytes == E8M0_NAN, float("nan"), scaled)
+    data = scaled.to(fmt.dtype).reshape(shape)
+    if axis == x.ndim - 1:
+        # Inductor (CPU) codegen hint, value-preserving (bytes are 0..255): Inductor does not
+        # vectorize int16, so the loop that writes the scales stays a plain loop over blocks,
+        # like the amax reduction and the data loop. Only then does it fuse the three into one
+        # loop over blocks ("outer loop fusion"), which reads x once instead of twice; with a
+        # uint8-only chain the scale loop is vectorized across blocks, the loop nests differ and
+        # x is read in two passes. (Along other axes the scale loop is flattened differently and
+        # cannot join the others either way.)
+        scale_bytes = scale_bytes.to(torch.int16)
+    return data, scale_bytes.to(torch.uint8).squeeze(axis + 1)
+
+
 def quantize_last_axis(
     x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along the last axis; return (fp8 data of x's shape, uint8 scale bytes).
 
-    Pure tensor code without validation: traceable and fusible by Inductor into one loop.
+    Pure tensor code without validation: traceable and fusible by Inductor.
     """
-    *lead, n = x.shape
-    blocks = x.reshape(*lead, n // block_size, block_size).to(torch.float32)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    scale_bytes = scale_bytes_from_amax(amax, fmt, mode)
-    scaled = blocks * inverse_scale_fp32_from_bytes(scale_bytes)
-    # Clamp before the cast: the cast is round-to-nearest-even, the clamp makes it saturating.
-    data = scaled.clamp(-fmt.max_normal, fmt.max_normal).to(fmt.dtype)
-    # A NaN block's elements are the positive NaN byte, whatever NaN the arithmetic produced.
-    data_bytes = torch.where(scale_bytes == E8M0_NAN, fmt.nan_byte, data.view(torch.uint8))
-    data = data_bytes.view(fmt.dtype)
-    return data.reshape(*lead, n), scale_bytes.to(torch.uint8).reshape(*lead, n // block_size)
+    return _quantize_blocks(x, x.ndim - 1, fmt, mode, block_size)
 
 
 def quantize_along(
     x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_last_axis applied along any (non-negative) axis; outputs keep x's axis order."""
-    last = x.ndim - 1
-    if axis == last:
-        return quantize_last_axis(x, fmt, mode, block_size)
-    data, scale_bytes = quantize_last_axis(x.movedim(axis, last), fmt, mode, block_size)
-    return data.movedim(last, axis), scale_bytes.movedim(last, axis)
+    """Quantize along any (non-negative) axis; outputs keep x's axis order (and are contiguous
+    for a contiguous x)."""
+    return _quantize_blocks(x, axis, fmt, mode, block_size)
 
 
 def dequantize_along(

@@ -10,6 +10,7 @@ from .formats import (
     E8M0_BIAS,
     E8M0_MAX_BYTE,
     E8M0_NAN,
+    ELEM_FORMATS,
     F32_EXPONENT_MASK,
     F32_MANTISSA_BITS,
     F32_MANTISSA_MASK,
@@ -23,6 +24,20 @@ _F32_BITS_TWO_POW_MINUS_127 = 1 << (F32_MANTISSA_BITS - 1)
 _F32_HALF_MIN_NORMAL_MANTISSA = 1 << (F32_MANTISSA_BITS - 1)
 
 
+# fp32(1 / max_elem) of the built-in formats, computed once at import. Evaluating
+# `ElemFormat.reciprocal_max_fp32` (struct.pack) while Dynamo traces fails after a recompile:
+# Dynamo then treats the format's float fields as dynamic, cannot constant-fold struct.pack
+# and recurses in its struct polyfill (torch 2.13: "RecursionError: maximum recursion depth
+# exceeded", seen when compiling e4m3 and then e5m2 in one process).
+_RECIPROCAL_MAX_FP32 = {name: fmt.reciprocal_max_fp32 for name, fmt in ELEM_FORMATS.items()}
+
+
+def _reciprocal_max_fp32(fmt: ElemFormat) -> float:
+    if ELEM_FORMATS.get(fmt.name) is fmt:
+        return _RECIPROCAL_MAX_FP32[fmt.name]
+    return fmt.reciprocal_max_fp32
+
+
 def _exponent_and_mantissa(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK, bits & F32_MANTISSA_MASK
 
@@ -34,7 +49,7 @@ def scale_bytes_from_amax(amax: torch.Tensor, fmt: ElemFormat, mode: ScaleMode) 
     the NaN byte 0xFF. Results are clamped to the E8M0 range [2**-127, 2**127].
     """
     if mode is ScaleMode.RCEIL:
-        descale = amax * fmt.reciprocal_max_fp32
+        descale = amax * _reciprocal_max_fp32(fmt)
         exponent, mantissa = _exponent_and_mantissa(descale.view(torch.int32))
         # Normal descale: ceil(log2) = exponent - bias + (mantissa != 0).
         normal = exponent + (mantissa != 0).to(torch.int32)
