@@ -84,10 +84,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} threads")
 
     rows = []
-    for name, backend in (("bf16 (inductor)", "inductor"), ("mxfp8", "mxfp8")):
+    variants = (("bf16 (inductor)", "inductor", None),
+                ("mxfp8", "mxfp8", None),
+                ("mxfp8, attention off", "mxfp8", {"attention": "off"}))
+    for name, backend, options in variants:
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = make_step(model, torch.compile(model, backend=backend), optimizer)
+        step = make_step(model, torch.compile(model, backend=backend, options=options), optimizer)
         rows.append((name, *time_steps(step, idx, args.warmup, args.steps), ""))
         torch._dynamo.reset()
     if not args.no_torchao:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import mx_reference as ref
+import mxcompile.ops  # noqa: F401  (registers torch.ops.mxcompile.*)
 from mxcompile.numerics import (
     ELEM_FORMATS,
     ScaleMode,
@@ -128,7 +129,6 @@ def _ops_program(x: torch.Tensor, w: torch.Tensor):
 def test_custom_ops_compile_fullgraph() -> None:
     """The ops trace into one graph (no graph break) and run under Inductor, whose runtime
     stride asserts check the fake implementations."""
-    import mxcompile.ops  # noqa: F401  (registers torch.ops.mxcompile.*)
     from torch._inductor.compile_fx import compile_fx
 
     seen: list[object] = []
@@ -162,15 +162,11 @@ _NO_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatc
     "dtype,axis,elem,mode", [(torch.bfloat16, -1, "e4m3", "rceil"), (torch.float32, 0, "e5m2", "floor")]
 )
 def test_opcheck_quantize(dtype: torch.dtype, axis: int, elem: str, mode: str) -> None:
-    import mxcompile.ops  # noqa: F401
-
     x = _octave_rows(64, dtype).reshape(32, 64)
     torch.library.opcheck(torch.ops.mxcompile.quantize.default, (x, axis, elem, mode, BLOCK))
 
 
 def test_opcheck_dequantize_and_mx_mm() -> None:
-    import mxcompile.ops  # noqa: F401
-
     x = _octave_rows(64, torch.float32).reshape(32, 64)
     w = _octave_rows(64, torch.float32, seed=2).reshape(64, 32)
     xd, xs = torch.ops.mxcompile.quantize(x, -1, "e4m3", "rceil", BLOCK)
@@ -257,8 +253,6 @@ def test_mx_mm_op_bf16_within_tolerance_of_mx_matmul() -> None:
     the only extra error is the final rounding to bf16: |diff| <= 2**-8 |ref| (half a bf16 ulp
     is 2**-9 relative; doubled for accumulation-order differences) + K * 2**-23 |a| @ |b|.
     With an fp32 output it dequantizes to fp32 and equals mx_matmul exactly."""
-    import mxcompile.ops  # noqa: F401
-
     mx_a, mx_b = _gemm_operands()
     assert int(mx_a.scale_bytes.min()) >= 3 and int(mx_b.scale_bytes.min()) >= 3
     want = mx_matmul(mx_a, mx_b, torch.float32)
