@@ -23,6 +23,7 @@ from .numerics import (
     scale_bytes_from_amax,
     scale_fp32_from_bytes,
     scale_mode,
+    split_blocks,
 )
 from .numerics.rounding import fake_quantize_blocks, quantize_blocks
 
@@ -167,14 +168,9 @@ def _swap_last_two(axis: int, ndim: int) -> int:
 
 
 def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int):
-    """x split into fp32 blocks along `axis` in place, (..., n/bs, bs, ...), and their scales.
-
-    The block dimension stays where it is rather than being moved last, so that the memory
-    order is kept and Inductor vectorizes along the contiguous dimension for every axis.
-    """
-    shape = x.shape
-    blocks = x.reshape(*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1:])
-    blocks = blocks.to(torch.float32)
+    """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`) and their
+    (bytes, scale, inverse scale) from the per-block op."""
+    blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
     return blocks, torch.ops.mxcompile.block_scales(amax, elem, mode)
 
@@ -214,15 +210,13 @@ def fake_quantize_for_inductor(
 def dequantize_for_inductor(
     data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """mxcompile::dequantize with blocks split in place (no movedim, no repeat_interleave)."""
+    """mxcompile::dequantize for Inductor: `dequantize_along`, run in the memory order of a
+    transposed-contiguous input (the saved transposed weight) instead of transposing it."""
     axis %= data.ndim
     if _is_transposed_contiguous(data):
         swapped = _swap_last_two(axis, data.ndim)
         return dequantize_for_inductor(data.mT, scale.mT, swapped, block_size, dtype).mT
-    shape = data.shape
-    blocks = data.reshape(*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1:])
-    values = blocks.to(torch.float32) * scale_fp32_from_bytes(scale).unsqueeze(axis + 1)
-    return values.reshape(shape).to(dtype)
+    return dequantize_along(data, scale, axis, block_size, dtype)
 
 
 # Definitions of the ops for Inductor, used to decompose them before Inductor lowers a graph

@@ -21,6 +21,7 @@ from .quantize import (
     quantize_along,
     quantize_last_axis,
     quantize_mx,
+    split_blocks,
 )
 from .scales import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
 
@@ -46,4 +47,5 @@ __all__ = [
     "scale_bytes_from_amax",
     "scale_fp32_from_bytes",
     "scale_mode",
+    "split_blocks",
 ]

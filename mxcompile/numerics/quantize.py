@@ -82,19 +82,27 @@ def check_quantizable(x: torch.Tensor, axis: int, block_size: int) -> int:
     return axis
 
 
+def split_blocks(x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    """x with `axis` (non-negative) split in place into (n / block_size, block_size).
+
+    The block dimension stays where it is rather than being moved last: nothing is transposed,
+    so the memory order is kept and Inductor vectorizes along the contiguous dimension for
+    every axis (for axis 0 a vertical reduction across columns).
+    """
+    shape = x.shape
+    return x.reshape(*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1 :])
+
+
 def _quantize_blocks(
     x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize blocks of `block_size` consecutive elements along `axis` (non-negative).
 
-    The blocks are a view of x in its own layout: `axis` is split into (blocks, block_size) and
-    the block's amax is reduced over the new inner dimension. Nothing is transposed, so
-    Inductor generates a vertical (vectorized across columns) reduction for axis 0 and the
-    outputs come out contiguous in x's axis order.
+    The block's amax is reduced over the inner dimension of `split_blocks`; the outputs come
+    out contiguous in x's axis order.
     """
     shape = x.shape
-    blocked = (*shape[:axis], shape[axis] // block_size, block_size, *shape[axis + 1 :])
-    blocks = x.reshape(blocked).to(torch.float32)
+    blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
     scale_bytes = scale_bytes_from_amax(amax, fmt, mode)
     scaled = blocks * inverse_scale_fp32_from_bytes(scale_bytes)
@@ -140,12 +148,9 @@ def dequantize_along(
     data: torch.Tensor, scale_bytes: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """data * 2**(scale - 127) broadcast over blocks of `block_size` along `axis`, cast to dtype."""
-    last = data.ndim - 1
-    moved = data.movedim(axis, last)
-    *lead, n = moved.shape
-    blocks = moved.reshape(*lead, n // block_size, block_size).to(torch.float32)
-    scale = scale_fp32_from_bytes(scale_bytes.movedim(axis, last)).unsqueeze(-1)
-    return (blocks * scale).reshape(*lead, n).to(dtype).movedim(last, axis)
+    blocks = split_blocks(data, axis, block_size).to(torch.float32)
+    scale = scale_fp32_from_bytes(scale_bytes).unsqueeze(axis + 1)
+    return (blocks * scale).reshape(data.shape).to(dtype)
 
 
 def quantize_mx(
