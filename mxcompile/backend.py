@@ -85,7 +85,13 @@ def compile_graph(
     lower: Compiler = inductor_compiler,
     report: Report | None = None,
 ) -> Callable:
-    """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering."""
+    """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering.
+
+    With a `report` (explain, the CLI, tests) the graphs are also described: the joint graph
+    is partitioned once more without the rewrite, for the saved bytes and the before/after
+    graphs. A plain training compile (no report) skips that extra work.
+    """
+    describe = report is not None
     report = report if report is not None else Report(config.to_dict())
     # DTensor inputs (tensor parallelism) whose shards cut MX blocks; seen before AOTAutograd
     # flattens them into local tensors.
@@ -114,27 +120,30 @@ def compile_graph(
         params = param_placeholder_indices(joint, tuple(kwargs.get("static_lifetime_input_indices") or ()))
         joint.meta[GRAPH_INFO_KEY] = GraphInfo(
             "joint", num_fwd_outputs, params, tuple(misaligned_placeholders(joint, sharded).items()))
-        fw_before, bw_before = min_cut_rematerialization_partition(
-            clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if describe:
+            fw_before, bw_before = min_cut_rematerialization_partition(
+                clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         rewrite(joint, "joint")
         fw, bw = plan_and_partition(  # plain min-cut unless config.memory_budget is set
             joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
             num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
-        before = saved_tensors(fw_before, num_fwd_outputs, params)
-        after = saved_tensors(fw, num_fwd_outputs, params)
-        report.saved_bytes_before += sum(r["bytes"] for r in before)
-        report.saved_bytes_after += sum(r["bytes"] for r in after)
-        report.saved_tensors_after.extend(after)
-        report.graphs.append(GraphSnapshot("forward", _readable(fw_before), _readable(fw)))
-        report.graphs.append(GraphSnapshot("backward", _readable(bw_before), _readable(bw)))
+        if describe:
+            before = saved_tensors(fw_before, num_fwd_outputs, params)
+            after = saved_tensors(fw, num_fwd_outputs, params)
+            report.saved_bytes_before += sum(r["bytes"] for r in before)
+            report.saved_bytes_after += sum(r["bytes"] for r in after)
+            report.saved_tensors_after.extend(after)
+            report.graphs.append(GraphSnapshot("forward", _readable(fw_before), _readable(fw)))
+            report.graphs.append(GraphSnapshot("backward", _readable(bw_before), _readable(bw)))
         return fw, bw
 
     def inference(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
         graph.meta[GRAPH_INFO_KEY] = GraphInfo(
             "inference", misaligned_shards=tuple(misaligned_placeholders(graph, sharded).items()))
-        before = _readable(graph)
+        before = _readable(graph) if describe else ""
         rewrite(graph, "inference")
-        report.graphs.append(GraphSnapshot("inference", before, _readable(graph)))
+        if describe:
+            report.graphs.append(GraphSnapshot("inference", before, _readable(graph)))
         return lower(graph, inputs)
 
     return aot_module_simplified(
