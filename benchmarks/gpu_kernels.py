@@ -3,7 +3,8 @@
 On a GPU:
     python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s vs
                                                 # torch.mm bf16 and torch._scaled_mm rowwise FP8;
-                                                # MX attention vs SDPA (bf16)
+                                                # MX attention vs SDPA (bf16), forward and
+                                                # forward+backward
     python benchmarks/gpu_kernels.py --check    # correctness against mxcompile.numerics first
     python benchmarks/gpu_kernels.py --sizes 4096 8192
 On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this script):
@@ -11,7 +12,9 @@ On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this s
 
 Quantize traffic counts what a kernel must move: the input read once plus each written copy
 (FP8 data and uint8 scales). The copy baseline is `dst.copy_(src)` of the bf16 input (read +
-write). GEMM FLOPs are 2*M*N*K; attention FLOPs 4*B*H*S*S*D (halved when causal).
+write). GEMM FLOPs are 2*M*N*K; attention FLOPs 4*B*H*S*S*D (halved when causal), forward +
+backward 3.5 times that (the FlashAttention-2 convention: the backward's 5 GEMMs; the MX backward
+also recomputes S and dP in its dQ kernel, which is not counted).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch  # noqa: E402
 
 from mxcompile.numerics import E4M3, ScaleMode, quantize_along  # noqa: E402
 from mxcompile.triton_templates import (  # noqa: E402
+    mx_attention_backward_triton,
     mx_attention_triton,
     mx_mm_triton,
     quantize_mx_triton,
@@ -52,6 +56,9 @@ from mxcompile.triton_templates import (  # noqa: E402
     triton_available,
 )
 from mxcompile.triton_templates.attention import mx_attention_reference  # noqa: E402
+from mxcompile.triton_templates.attention_backward import (  # noqa: E402
+    mx_attention_backward_reference,
+)
 from mxcompile.triton_templates.mx_gemm import mx_mm_reference  # noqa: E402
 
 
@@ -137,6 +144,17 @@ def check(device: torch.device) -> bool:
     )  # fmt: skip
     err = (out.cpu() - ref).abs().max().item()
     report("mx_attention causal (tile-faithful reference)", err <= 1e-4, f"max|err|={err:.3g}")
+    do, lse = torch.randn(2, 64, 64, generator=g), torch.logsumexp(qh @ kh.mT / 8, dim=-1)
+    refs = mx_attention_backward_reference(qh, kh, vh, ref, do, lse, causal=True)
+    grads = mx_attention_backward_triton(
+        *(t.to(device) for t in (qh, kh, vh, ref, do, lse)), causal=True,
+        tiles={"BLOCK_M": 32, "BLOCK_N": 32},
+    )  # fmt: skip
+    err = max(
+        ((got.cpu() - r).abs().max() / r.abs().max()).item()
+        for got, r in zip(grads, refs, strict=True)
+    )
+    report("mx_attention backward causal (reference)", err <= 1e-4, f"max rel err={err:.3g}")
     return ok
 
 
@@ -224,6 +242,41 @@ def bench_attention(device: torch.device, seqs: list[int], reps: int, heads: int
             )
 
 
+def bench_attention_backward(
+    device: torch.device, seqs: list[int], reps: int, heads: int, dim: int
+) -> None:
+    print(f"\nattention forward+backward TFLOP/s (B=1, H={heads}, D={dim}, bf16)")
+    print(f"{'S':>7} {'causal':>7} {'mx attention':>13} {'SDPA bf16':>10}")
+    for s in seqs:
+        for causal in (False, True):
+            xs = [
+                torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16) for _ in range(3)
+            ]
+            do = torch.randn_like(xs[0])
+            q, qs = quantize_mx_triton(xs[0], -1)
+            kq, ks = quantize_mx_triton(xs[1], -1)
+            v, vs = quantize_along(xs[2], 2, E4M3, ScaleMode.RCEIL, 32)  # along keys (setup)
+            flops = 3.5 * 4 * heads * s * s * dim / (2 if causal else 1)
+
+            def mx_step() -> None:
+                out, lse = mx_attention_triton(
+                    q, qs, kq, ks, v, vs, causal=causal, return_lse=True
+                )
+                mx_attention_backward_triton(*xs, out, do, lse, causal=causal)
+
+            leaves = [x.clone().requires_grad_() for x in xs]
+
+            def sdpa_step() -> None:
+                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+                out.backward(do)
+
+            t_mx, t_sdpa = bench(mx_step, device, reps), bench(sdpa_step, device, reps)
+            print(
+                f"{s:>7} {str(causal):>7} {_rate(flops / t_mx / 1e9, 13)} "
+                f"{_rate(flops / t_sdpa / 1e9, 10)}"
+            )
+
+
 def main(args: argparse.Namespace) -> int:
     if args.tiny:
         device = torch.device("cpu")
@@ -249,6 +302,7 @@ def main(args: argparse.Namespace) -> int:
         bench_gemm(device, sizes, reps)
     if "attention" not in args.skip:
         bench_attention(device, seqs, reps, heads, dim)
+        bench_attention_backward(device, seqs, reps, heads, dim)
     return 0
 
 

@@ -1,10 +1,11 @@
 """Generated Triton kernels for MX: quantize (row-wise and/or column-wise in one read), MX GEMM
-with fused epilogues, and MX attention forward.
+with fused epilogues, and MX attention forward and backward.
 
 Modules: `render` (renderer + cache-dir loader), `common` (shared MX helpers: scale rules, FP8
-cast), `quantize`, `mx_gemm`, `attention` (templates, thin launchers, torch references),
-`configs` (every autotune config list), `ops` (`torch.library.triton_op` registrations and the
-`use_triton_kernels` graph hook), `aot` (compile a launch for sm90/sm100 without a GPU).
+cast), `quantize`, `mx_gemm`, `attention`, `attention_backward` (templates, thin launchers,
+torch references), `configs` (every autotune config list), `ops` (`torch.library.triton_op`
+registrations and the `use_triton_kernels` graph hook), `aot` (compile a launch for sm90/sm100
+without a GPU).
 
 Kernels are rendered from templates for a specialisation key; the rendered source of any key
 is available (`quantize_kernel_source`, `mx_mm_kernel_source`, `mx_attention_kernel_source`;
@@ -17,7 +18,8 @@ Direct use (the public `kernel=` switch of mxcompile is wired by the caller):
     quantize_mx_triton(x, axis, elem, scale_mode, block_size) -> (fp8 data, uint8 scales)
     quantize_mx_triton_rowcol(x, ...) -> (row data, row scales, col data, col scales)
     mx_mm_triton(a, a_scale, b, b_scale, block_size, out_dtype, epilogue=..., ...)
-    mx_attention_triton(q, q_scale, k, k_scale, v, v_scale, ...)
+    mx_attention_triton(q, q_scale, k, k_scale, v, v_scale, ..., return_lse=...)
+    mx_attention_backward_triton(q, k, v, out, grad_out, lse, ...) -> (dq, dk, dv)
 Each raises RuntimeError("the MX Triton kernels cannot run: <reason>") when triton_available
 says no, and ValueError for bad arguments, before anything reaches Triton.
 
@@ -39,6 +41,7 @@ from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode
 from ..numerics.quantize import check_quantizable
 
 __all__ = [
+    "mx_attention_backward_triton",
     "mx_attention_triton",
     "mx_mm_triton",
     "quantize_mx_triton",
@@ -399,5 +402,12 @@ def mx_mm_triton(
 def mx_attention_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
     """MX attention forward; see `attention.mx_attention_triton`."""
     from .attention import mx_attention_triton as _impl
+
+    return _impl(*args, **kwargs)
+
+
+def mx_attention_backward_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """MX attention backward; see `attention_backward.mx_attention_backward_triton`."""
+    from .attention_backward import mx_attention_backward_triton as _impl
 
     return _impl(*args, **kwargs)

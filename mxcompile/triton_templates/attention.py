@@ -12,9 +12,11 @@ with the numerics core's quantizer, and `mx_attention_exact` is plain fp32 atten
 dequantized Q, K, V.
 
 Template parameters: Q/K/V element formats; P's element format, scale mode and cast.
-`tl.constexpr`s: CAUSAL, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
+`tl.constexpr`s: CAUSAL, STORE_LSE, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
 Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k, D/bs),
-v (BH, S_k/bs, D). Causal masking is top-left aligned and needs S_q == S_k.
+v (BH, S_k/bs, D). Causal masking is top-left aligned and needs S_q == S_k. With STORE_LSE the
+kernel also writes the row logsumexp (BH, S_q), which the backward (`attention_backward`)
+takes.
 """
 
 from __future__ import annotations
@@ -48,17 +50,19 @@ class AttentionKey:
 _KERNEL = """\
 @triton.jit
 def mx_attention_fwd_kernel(
-    # Pointers: FP8 Q, K, V with their uint8 E8M0 scales; the output O.
-    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, v_ptr, v_scale_ptr, o_ptr,
+    # Pointers: FP8 Q, K, V with their uint8 E8M0 scales; the output O; the fp32 logsumexp
+    # (natural log, one per query row; written only when STORE_LSE).
+    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, v_ptr, v_scale_ptr, o_ptr, lse_ptr,
     # Sizes and the softmax scale
     S_Q, S_K, sm_scale,
     # Strides (elements): head, row, column of each tensor
     stride_qh, stride_qm, stride_qd, stride_qsh, stride_qsm, stride_qsd,
     stride_kh, stride_kn, stride_kd, stride_ksh, stride_ksn, stride_ksd,
     stride_vh, stride_vn, stride_vd, stride_vsh, stride_vsn, stride_vsd,
-    stride_oh, stride_om, stride_od,
+    stride_oh, stride_om, stride_od, stride_lh, stride_lm,
     # Meta-parameters
     CAUSAL: tl.constexpr,
+    STORE_LSE: tl.constexpr,  # also write logsumexp = m + log(l), what the backward needs
     HEAD_DIM: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -140,6 +144,10 @@ def mx_attention_fwd_kernel(
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+    if STORE_LSE:
+        # A row that attended to no key gets +inf (the backward then gives it P = 0).
+        lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("inf"))
+        tl.store(lse_ptr + head * stride_lh + offs_m * stride_lm, lse, mask=mask_m)
 """
 
 
@@ -173,7 +181,8 @@ def _autotuned(key: AttentionKey, block_size: int) -> Any:
 
     configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
     kernel = mx_attention_module(key, interpret=False).mx_attention_fwd_kernel
-    return triton.autotune(configs=configs, key=["S_Q", "S_K", "HEAD_DIM", "CAUSAL"])(kernel)
+    tune_key = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "STORE_LSE"]
+    return triton.autotune(configs=configs, key=tune_key)(kernel)
 
 
 _FP8_DTYPE_TO_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -195,9 +204,12 @@ def mx_attention_triton(
     p_scale_mode: str = "rceil",
     cast: str = "software",
     tiles: dict[str, int] | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX attention forward. q (..., S_q, D), k and v (..., S_k, D) FP8; scales: q (..., S_q,
-    D/bs) and k (..., S_k, D/bs) along D, v (..., S_k/bs, D) along keys. Returns (..., S_q, D)."""
+    D/bs) and k (..., S_k, D/bs) along D, v (..., S_k/bs, D) along keys. Returns (..., S_q, D);
+    with return_lse=True (output, logsumexp (..., S_q) fp32, natural log), the pair
+    `mx_attention_backward_triton` takes."""
     from . import _require
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -252,12 +264,16 @@ def mx_attention_triton(
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, *t.shape[-2:])
 
-    out = attention_launch(
+    result = attention_launch(
         flat(q), flat(scales["q_scale"]), flat(k), flat(scales["k_scale"]), flat(v),
         flat(scales["v_scale"]), key=key, sm_scale=float(sm_scale), causal=causal,
         block_size=block_size, out_dtype=out_dtype, tiles=tiles, interpret=interpret,
+        store_lse=return_lse,
     )  # fmt: skip
-    return out.reshape(*lead, s_q, d)
+    if return_lse:
+        out, lse = result
+        return out.reshape(*lead, s_q, d), lse.reshape(*lead, s_q)
+    return result.reshape(*lead, s_q, d)
 
 
 def attention_launch(
@@ -276,20 +292,28 @@ def attention_launch(
     tiles: dict[str, int] | None,
     interpret: bool,
     wrap: Any = None,
-) -> torch.Tensor:
-    """Thin launcher on 3-D (heads, rows, cols) tensors; no validation (see mx_attention_triton)."""
+    store_lse: bool = False,
+) -> Any:
+    """Thin launcher on 3-D (heads, rows, cols) tensors; no validation (see mx_attention_triton).
+    Returns the output, or (output, logsumexp (heads, rows) fp32) when store_lse."""
     import triton
 
     heads, s_q, d = q.shape
     s_k = k.shape[1]
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    # Without store_lse the kernel never touches lse_ptr: the output stands in for it.
+    lse = torch.empty((heads, s_q), dtype=torch.float32, device=q.device) if store_lse else out
+    lse_strides = lse.stride() if store_lse else (0, 0)
+    result = (out, lse) if store_lse else out
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(s_q, meta["BLOCK_M"]), heads)
 
-    meta: dict[str, Any] = {"CAUSAL": causal, "HEAD_DIM": d, "SCALE_BLOCK": block_size}
+    meta: dict[str, Any] = {
+        "CAUSAL": causal, "STORE_LSE": store_lse, "HEAD_DIM": d, "SCALE_BLOCK": block_size,
+    }  # fmt: skip
     if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
-        return out
+        return result
     if tiles is None and not interpret:
         kernel = _autotuned(key, block_size)
     else:
@@ -300,13 +324,13 @@ def attention_launch(
     if wrap is not None:
         kernel = wrap(kernel)
     kernel[grid](
-        q, q_scale, k, k_scale, v, v_scale, out,
+        q, q_scale, k, k_scale, v, v_scale, out, lse,
         s_q, s_k, sm_scale,
         *q.stride(), *q_scale.stride(), *k.stride(), *k_scale.stride(), *v.stride(),
-        *v_scale.stride(), *out.stride(),
+        *v_scale.stride(), *out.stride(), *lse_strides,
         **meta,
     )  # fmt: skip
-    return out
+    return result
 
 
 def _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size):  # type: ignore[no-untyped-def]
@@ -359,9 +383,11 @@ def mx_attention_reference(
     block_n=32,
     p_elem="e4m3",
     p_scale_mode="rceil",
-) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return_lse=False,
+):  # type: ignore[no-untyped-def]
     """The kernel's algorithm replayed in torch with key tiles of `block_n`: online softmax in
-    fp32, P quantized per tile along keys with `mxcompile.numerics.quantize_along`."""
+    fp32, P quantized per tile along keys with `mxcompile.numerics.quantize_along`. With
+    return_lse=True: (output, logsumexp fp32), as the kernel's STORE_LSE writes it."""
     qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     s_all = _scores(qf, kf, sm_scale, causal)
@@ -381,4 +407,7 @@ def mx_attention_reference(
         p_q = dequantize_along(p_data, p_scale, p.ndim - 1, block_size, torch.float32)
         acc = acc * alpha[..., None] + p_q @ vf[..., n0 : n0 + block_n, :]
         m = m_new
-    return (acc / denom[..., None]).to(out_dtype)
+    out = (acc / denom[..., None]).to(out_dtype)
+    if return_lse:
+        return out, torch.where(denom > 0, m + torch.log(denom), float("inf"))
+    return out

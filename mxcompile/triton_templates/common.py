@@ -9,6 +9,8 @@ the tests check them bit for bit against those functions.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..numerics.formats import (
@@ -213,8 +215,15 @@ def mx_constants(fmt: ElemFormat) -> dict[str, str]:
     }
 
 
-def render_mx_helpers(fmt: ElemFormat, mode: ScaleMode, cast: str) -> str:
-    """A comment naming the variant's constants, then its `@triton.jit` helpers."""
+_HELPER_NAME = re.compile(r"\b(_mx_[a-z0-9_]+)\b")
+
+
+def render_mx_helpers(fmt: ElemFormat, mode: ScaleMode, cast: str, *, suffix: str = "") -> str:
+    """A comment naming the variant's constants, then its `@triton.jit` helpers. `suffix` is
+    appended to every helper name (`_mx_quantize_blocks` -> `_mx_quantize_blocks<suffix>`), so
+    that one module can hold the helpers of two element formats."""
+    if suffix and not suffix.isidentifier():
+        raise ValueError(f"suffix={suffix!r} must be an identifier tail")
     if cast not in CAST_MODES:
         raise ValueError(f"cast={cast!r} is not accepted; use one of {list(CAST_MODES)}")
     consts = mx_constants(fmt)
@@ -225,6 +234,8 @@ def render_mx_helpers(fmt: ElemFormat, mode: ScaleMode, cast: str) -> str:
     cast_code = render(_CASTS[cast], consts, **cast_params)
     scale_rule = render(_SCALE_RULES[mode], consts)
     helpers = render(_HELPERS, consts, scale_rule=indent(scale_rule, 4), cast=indent(cast_code, 4))
+    if suffix:
+        helpers = _HELPER_NAME.sub(lambda m: m.group(1) + suffix, helpers)
     return header + "\n\n" + helpers
 
 

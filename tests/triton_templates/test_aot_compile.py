@@ -12,6 +12,10 @@ import torch
 from mxcompile.numerics import E4M3, ScaleMode
 from mxcompile.triton_templates.aot import compile_launch
 from mxcompile.triton_templates.attention import AttentionKey, attention_launch
+from mxcompile.triton_templates.attention_backward import (
+    AttentionBackwardKey,
+    attention_backward_launch,
+)
 from mxcompile.triton_templates.mx_gemm import MXMMKey, mx_mm_launch
 from mxcompile.triton_templates.quantize import quantize_launch
 
@@ -113,3 +117,21 @@ def test_attention_compiles(capability: int) -> None:
         capability,
     )
     assert kernel.asm["cubin"]
+
+
+@pytest.mark.slow  # ~10 s per target: three kernels
+@pytest.mark.parametrize("capability", [90, 100])
+def test_attention_backward_compiles(capability: int) -> None:
+    heads, s, d = 8, 1024, 32
+    x = _empty(heads, s, d, dtype=torch.bfloat16)
+    lse = _empty(heads, s, dtype=torch.float32)
+    kernels = compile_launch(
+        lambda wrap: attention_backward_launch(
+            x, x, x, x, x, lse,
+            key=AttentionBackwardKey(grad_elem="e5m2"), sm_scale=0.125, causal=True, mx_qk=True,
+            mx_pv=True, block_size=32, tiles={"BLOCK_M": 32, "BLOCK_N": 32}, interpret=False,
+            wrap=wrap,
+        ),  # fmt: skip
+        capability,
+    )
+    assert len(kernels) == 3 and all(k.asm["cubin"] for k in kernels)

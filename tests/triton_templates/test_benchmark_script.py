@@ -25,6 +25,8 @@ def test_benchmark_tiny_runs(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     out = result.stdout
-    assert "FAIL" not in out and out.count("[ok]") == 7
-    for header in ("quantize (bf16 in", "GEMM TFLOP/s", "attention forward TFLOP/s"):
+    assert "FAIL" not in out and out.count("[ok]") == 8
+    headers = ("quantize (bf16 in", "GEMM TFLOP/s", "attention forward TFLOP/s",
+               "attention forward+backward TFLOP/s")  # fmt: skip
+    for header in headers:
         assert header in out

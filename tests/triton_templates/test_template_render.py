@@ -75,6 +75,22 @@ def test_attention_source_renders() -> None:
     assert "tl.dot_scaled(p_data, p_scale" in src
 
 
+def test_attention_backward_source_renders_both_formats() -> None:
+    from mxcompile.triton_templates.attention_backward import (
+        AttentionBackwardKey,
+        mx_attention_backward_kernel_source,
+    )
+
+    src = mx_attention_backward_kernel_source(AttentionBackwardKey("e4m3", "e5m2"))
+    compile(src, "<rendered>", "exec")
+    # The helpers of each element format, under their own names.
+    assert "def _mx_quantize_blocks_fwd(" in src and "def _mx_quantize_blocks_grad(" in src
+    assert "def _mx_quantize_blocks(" not in src
+    assert "Element format e4m3" in src and "Element format e5m2" in src
+    assert '_mx_lhs_grad(ds_t, BLOCK_N, BLOCK_M, SCALE_BLOCK)' in src
+    assert 'tl.dot_scaled(ds_data, ds_scale, "e5m2", q_data, q_scale, "e4m3", dk)' in src
+
+
 def test_source_is_loaded_from_the_cache_dir(kernel_cache_dir: str) -> None:
     key = QuantizeKey("e4m3", "floor")
     module = quantize_module(key)
@@ -123,6 +139,14 @@ def test_interpreter_works_when_triton_was_imported_first(tmp_path: Path) -> Non
         o = mx_attention_triton(q, qs, q, qs, v, vs, causal=True, out_dtype=torch.float32)
         ref = mx_attention_reference(q, qs, q, qs, v, vs, causal=True)
         assert (o - ref).abs().max() <= 1e-5
+        from mxcompile.triton_templates import mx_attention_backward_triton
+        from mxcompile.triton_templates.attention_backward import mx_attention_backward_reference
+        x32 = [torch.randn(1, 32, 32) for _ in range(5)]
+        lse = torch.logsumexp(x32[0] @ x32[1].mT, dim=-1)
+        grads = mx_attention_backward_triton(*x32, lse, causal=True)
+        refs = mx_attention_backward_reference(*x32, lse, causal=True)
+        for g, r in zip(grads, refs):
+            assert (g - r).abs().max() <= 1e-5 * r.abs().max()
         print("OK")
         """
     )
