@@ -69,10 +69,20 @@ and graph size would grow with the sequence length (and every new length would r
 another unrolled loop), and its scheduler would be free to fuse across tiles, so the memory
 bound would no longer hold by construction. The price is that quantization inside a tile runs
 as unfused eager PyTorch ops.
+
+CUDA. Both ops have a CUDA kernel (`attention_forward_cuda`, `attention_backward_cuda`,
+registered with `register_kernel("cuda")`, so eager calls and Inductor's fallback kernels reach
+it alike) that runs the Triton kernels of `mxcompile.triton_templates` (`mx_attention_triton`,
+`mx_attention_backward_triton`) when they support the call, and the torch implementation above
+otherwise; `triton_attention_unsupported` says why not. The Triton forward computes the same
+algorithm (base-2 online softmax with an integer running maximum, P quantized per key tile),
+so it is tile-size independent like this one: key_tile only sets the torch implementation's
+tiles. Both agree with the torch implementation up to fp32 summation order.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -96,6 +106,7 @@ DEFAULT_KEY_TILE = 128  # keys per tile, rounded down to a multiple of the block
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_log = logging.getLogger(__name__)
 
 
 def default_key_tile(block_size: int) -> int:
@@ -149,7 +160,7 @@ def _grouped_mask(
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        mask = torch.zeros((), dtype=torch.float32).masked_fill(~mask, float("-inf"))
+        mask = torch.zeros((), dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
     while mask.ndim < 4:
         mask = mask.unsqueeze(0)
     mask = mask.expand(mask.shape[0], mask.shape[1], q_len, k_len)
@@ -173,8 +184,8 @@ def _tile_scores(
     if mask5 is not None:
         scores.add_(mask5[..., q_lo:, k_lo:k_hi], alpha=_LOG2E)
     if is_causal:
-        rows = torch.arange(q_lo, q_lo + q_tile.shape[-2]).unsqueeze(-1)
-        cols = torch.arange(k_lo, k_hi).unsqueeze(0)
+        rows = torch.arange(q_lo, q_lo + q_tile.shape[-2], device=scores.device).unsqueeze(-1)
+        cols = torch.arange(k_lo, k_hi, device=scores.device).unsqueeze(0)
         scores.masked_fill_(cols > rows, float("-inf"))
     return scores
 
@@ -211,9 +222,10 @@ def attention_forward_impl(
     vf = ops.pv(v.unsqueeze(2), -2, forward_elem)  # (B, Hkv, 1, Tk, dv), blocks along keys
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
     row_shape = (*qf.shape[:-1], 1)
-    exponent = torch.full(row_shape, float("-inf"))  # running ceil(row max), base 2
-    row_sum = torch.zeros(row_shape)
-    acc = torch.zeros((*qf.shape[:-1], v_width))
+    # Working tensors on the inputs' device (the CUDA kernel falls back to this function).
+    exponent = torch.full(row_shape, float("-inf"), device=q.device)  # running ceil(row max), base 2
+    row_sum = torch.zeros(row_shape, device=q.device)
+    acc = torch.zeros((*qf.shape[:-1], v_width), device=q.device)
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
         k_hi = min(k_lo + key_tile, k_len)
         s2 = _tile_scores(qf[..., q_lo:, :], kf[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
@@ -269,9 +281,9 @@ def attention_backward_impl(
     delta = (do5.float() * _grouped(out, kv_heads).float()).sum(dim=-1, keepdim=True)
     lse2 = _grouped(lse.unsqueeze(-1), kv_heads) * _LOG2E
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
-    dq = torch.zeros(q_d.shape)
-    dk = torch.zeros(k.shape)
-    dv = torch.zeros(v.shape)
+    dq = torch.zeros(q_d.shape, device=q.device)
+    dk = torch.zeros(k.shape, device=k.device)
+    dv = torch.zeros(v.shape, device=v.device)
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
         k_hi = min(k_lo + key_tile, k_len)
         s2 = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
@@ -327,6 +339,14 @@ def attention_op(
     key_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX attention forward: (output, logsumexp). See mxcompile.attention."""
+    return _attention_forward_torch(
+        q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile
+    )
+
+
+def _attention_forward_torch(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size,
+                             key_tile):
+    """The op's outputs, in its layouts, from the torch implementation."""
     out, lse = attention_forward_impl(
         q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile
     )
@@ -361,17 +381,171 @@ def attention_backward_op(
     key_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX attention backward: (dq, dk, dv), sequence-major. See mxcompile.attention."""
+    return _attention_backward_torch(
+        grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem, grad_elem,
+        scale_mode, block_size, key_tile,
+    )
+
+
+def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem,
+                              grad_elem, scale_mode, block_size, key_tile):
+    """The op's outputs, in its layouts, from the torch implementation."""
     grads = attention_backward_impl(
         grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem, grad_elem,
         scale_mode, block_size, key_tile,
     )
-    return tuple(sequence_major(g) for g in grads)  # type: ignore[return-value]
+    return tuple(sequence_major(g) for g in grads)
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
                              forward_elem, grad_elem, scale_mode, block_size, key_tile):
     return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
+
+
+# The Triton kernels on CUDA. The kernels take one head count for q, k and v, no mask, and
+# head_dim a power of two; the forward kernel has MX in both GEMMs. `tl.dot_scaled` groups 32
+# elements per scale.
+TRITON_BLOCK_SIZE = 32
+
+
+def triton_attention_unsupported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    mode: str,
+    forward_elem: str,
+    scale_mode: str,
+    block_size: int,
+    *,
+    grad_elem: str | None = None,
+    backward_tensors: tuple[torch.Tensor, ...] = (),
+    check_device: bool = True,
+) -> str | None:
+    """Why the Triton kernels cannot run this call of `mxcompile::attention` (or, with
+    `grad_elem` and `backward_tensors` = (grad_out, out, lse), of `mxcompile::attention_backward`),
+    or None when they can. Reasons, in order:
+
+      * an attn_mask: the kernels apply only is_causal;
+      * grouped-query attention (fewer key/value heads than query heads): the kernels index k
+        and v by the query head;
+      * forward only: mode other than "both" (the forward kernel quantizes both GEMMs; the
+        backward kernels do "both", "qk_only" and "off");
+      * block_size other than 32 (tl.dot_scaled's MX group);
+      * an element format that tl.dot_scaled does not take; a dtype other than fp32/bf16/fp16;
+      * value head_dim different from the query's, or head_dim not a power of two >= 32;
+      * a key length not a multiple of the block size; is_causal with query length != key
+        length (the kernels' causal mask is top-left aligned on a square);
+      * tensors on different devices;
+      * with check_device, what `triton_available` says (no triton, no CUDA GPU, compute
+        capability below sm89; CPU tensors only under TRITON_INTERPRET=1).
+
+    key_tile is not a reason: the kernels' results do not depend on their tile sizes beyond fp32
+    summation order, so they choose their own (autotuned on a GPU)."""
+    from .triton_templates.common import DOT_SCALED_FORMATS
+
+    if attn_mask is not None:
+        return "an attn_mask: the Triton attention kernels take no mask (only is_causal)"
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return "the Triton attention kernels take 4-D (batch, heads, seq, head_dim) tensors"
+    if q.shape[1] != k.shape[1] or q.shape[1] != v.shape[1]:
+        return (f"grouped-query attention ({q.shape[1]} query heads, {k.shape[1]} key/value heads): "
+                "the Triton attention kernels need equal head counts")
+    if grad_elem is None and mode != "both":
+        return f"mode={mode!r}: the Triton forward kernel has MX in both GEMMs only (mode 'both')"
+    if block_size != TRITON_BLOCK_SIZE:
+        return f"block_size={block_size}: tl.dot_scaled's MX group is {TRITON_BLOCK_SIZE}"
+    for name, elem in (("forward_elem", forward_elem), ("grad_elem", grad_elem)):
+        if elem is not None and elem not in DOT_SCALED_FORMATS:
+            return f"{name}={elem!r}: tl.dot_scaled takes {sorted(DOT_SCALED_FORMATS)}"
+    tensors = (q, k, v, *backward_tensors)
+    lse = backward_tensors[2] if len(backward_tensors) == 3 else None
+    for t in tensors:
+        if t is not lse and t.dtype not in _MX_DTYPES:
+            return f"dtype {t.dtype}: the Triton attention kernels take {[str(d) for d in _MX_DTYPES]}"
+    if lse is not None and lse.dtype != torch.float32:
+        return f"logsumexp dtype {lse.dtype}: the Triton backward takes float32"
+    width = q.shape[-1]
+    if v.shape[-1] != width:
+        return f"value head_dim {v.shape[-1]} != query head_dim {width}: the Triton kernels need one head_dim"
+    if width < TRITON_BLOCK_SIZE or width & (width - 1):
+        return f"head_dim {width}: the Triton attention kernels need a power of two >= {TRITON_BLOCK_SIZE}"
+    if k.shape[2] % block_size:
+        return f"key length {k.shape[2]} is not a multiple of block_size={block_size}"
+    if is_causal and q.shape[2] != k.shape[2]:
+        return (f"is_causal with query length {q.shape[2]} != key length {k.shape[2]}: the Triton "
+                "kernels' causal mask is top-left aligned on a square")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        return f"tensors on several devices ({sorted(map(str, devices))})"
+    if check_device:
+        from .triton_templates import triton_available
+
+        ok, why = triton_available(q.device, elem=forward_elem, block_size=block_size)
+        if not ok:
+            return why
+    return None
+
+
+def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size,
+                           key_tile):
+    """`mxcompile::attention` on CUDA: the Triton forward kernel when
+    `triton_attention_unsupported` says it can run (no mask, equal head counts, mode "both",
+    block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
+    otherwise (logged at DEBUG level with the reason). Q and K are quantized along head_dim and
+    V along the keys with the numerics core (`quantize_along`), then the kernel quantizes P per
+    key tile in the same format and scale mode. The outputs have the op's layouts (the fake
+    implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
+    on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+    reason = triton_attention_unsupported(q, k, v, attn_mask, is_causal, mode, forward_elem, scale_mode,
+                                          block_size)
+    if reason is not None:
+        _log.debug("mxcompile::attention: torch implementation, not the Triton kernel: %s", reason)
+        return _attention_forward_torch(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode,
+                                        block_size, key_tile)
+    from .triton_templates import mx_attention_triton
+
+    fmt, rule = elem_format(forward_elem), scale_mode_named(scale_mode)
+    q_data, q_scale = quantize_along(q, 3, fmt, rule, block_size)  # along head_dim
+    k_data, k_scale = quantize_along(k, 3, fmt, rule, block_size)
+    v_data, v_scale = quantize_along(v, 2, fmt, rule, block_size)  # along the keys
+    out, lse = mx_attention_triton(
+        q_data, q_scale, k_data, k_scale, v_data, v_scale, sm_scale=scale, causal=is_causal,
+        block_size=block_size, out_dtype=q.dtype, p_elem=forward_elem, p_scale_mode=scale_mode,
+        return_lse=True,
+    )
+    return _empty_output(q, out.shape[-1]).copy_(out), sequence_major(lse)
+
+
+def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem,
+                            grad_elem, scale_mode, block_size, key_tile):
+    """`mxcompile::attention_backward` on CUDA: the Triton backward kernels (delta, dK/dV per
+    key tile, dQ per query tile; every mode) when `triton_attention_unsupported` says they can
+    run, the torch implementation otherwise (logged at DEBUG level with the reason). The
+    logsumexp may come from either forward path: both give the natural-log row logsumexp. The
+    gradients are sequence-major, as the fake implementation says. Also callable on CPU tensors
+    under TRITON_INTERPRET=1 (the tests)."""
+    reason = triton_attention_unsupported(
+        q, k, v, attn_mask, is_causal, mode, forward_elem, scale_mode, block_size, grad_elem=grad_elem,
+        backward_tensors=(grad_out, out, lse),
+    )
+    if reason is not None:
+        _log.debug("mxcompile::attention_backward: torch implementation, not the Triton kernels: %s", reason)
+        return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
+                                         forward_elem, grad_elem, scale_mode, block_size, key_tile)
+    from .triton_templates import mx_attention_backward_triton
+
+    grads = mx_attention_backward_triton(
+        q, k, v, out, grad_out, lse, sm_scale=scale, causal=is_causal, mode=mode,
+        forward_elem=forward_elem, grad_elem=grad_elem, scale_mode=scale_mode, block_size=block_size,
+    )
+    return tuple(sequence_major(g) for g in grads)
+
+
+attention_op.register_kernel("cuda")(attention_forward_cuda)
+attention_backward_op.register_kernel("cuda")(attention_backward_cuda)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

@@ -4,9 +4,14 @@ SCALE_BLOCK consecutive keys shares a scale). Both products use `tl.dot_scaled` 
 sm100+, emulated by Triton elsewhere); there is no FP8-`tl.dot` variant because P lives in
 registers and cannot be cut into 32-key slices.
 
-P is quantized inside the kernel, per key tile, relative to the running row maximum (values in
-[0, 1]); the softmax denominator sums the unquantized fp32 P. Because the running maximum
-depends on the key tile size, the result depends (slightly) on BLOCK_N: the tile-faithful
+P is quantized inside the kernel, per key tile, relative to the running row maximum, with the
+algorithm of the CPU op `mxcompile::attention` (mxcompile/attention.py): scores in base-2 units
+(S * sm_scale * log2(e)), the running maximum kept as an integer exponent m = ceil(row max), so
+the unnormalized P = 2**(S - m) of a tile has its largest value in (1/2, 1] and every rescale of
+the accumulator is an exact power of two. MX quantization commutes with power-of-two scaling, so
+the result does not depend on BLOCK_N beyond fp32 rounding (a real-valued running maximum, as in
+FlashAttention, would make P's rounding, and so the output, depend on the tile size by up to a
+few % of max|V|). The softmax denominator sums the unquantized fp32 P. The tile-faithful
 reference `mx_attention_reference(..., block_n=BLOCK_N)` replays the same algorithm in torch
 with the numerics core's quantizer, and `mx_attention_exact` is plain fp32 attention on the
 dequantized Q, K, V.
@@ -35,6 +40,9 @@ from .common import DOT_SCALED_FORMATS, MODULE_HEADER, TRITON_FP8_TYPES, render_
 from .configs import attention_autotune_configs, interpreter_attention_config
 from .render import load_source, render
 
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
 
 @dataclass(frozen=True)
 class AttentionKey:
@@ -53,8 +61,8 @@ def mx_attention_fwd_kernel(
     # Pointers: FP8 Q, K, V with their uint8 E8M0 scales; the output O; the fp32 logsumexp
     # (natural log, one per query row; written only when STORE_LSE).
     q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, v_ptr, v_scale_ptr, o_ptr, lse_ptr,
-    # Sizes and the softmax scale
-    S_Q, S_K, sm_scale,
+    # Sizes; the softmax scale times log2(e) (scores in base-2 units)
+    S_Q, S_K, qk_scale,
     # Strides (elements): head, row, column of each tensor
     stride_qh, stride_qm, stride_qd, stride_qsh, stride_qsm, stride_qsd,
     stride_kh, stride_kn, stride_kd, stride_ksh, stride_ksn, stride_ksd,
@@ -87,7 +95,8 @@ def mx_attention_fwd_kernel(
         mask=mask_m[:, None], other=127,
     )
 
-    # Phase 3: online softmax over key tiles (running max m_i, denominator l_i, fp32 acc).
+    # Phase 3: online softmax over key tiles, in base 2 (running integer max exponent m_i,
+    # denominator l_i, fp32 acc).
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
@@ -109,16 +118,18 @@ def mx_attention_fwd_kernel(
             + offs_n[:, None] * stride_ksn + offs_ds[None, :] * stride_ksd,
             mask=mask_n[:, None], other=127,
         )
-        s = tl.dot_scaled(q, q_scale, "${q_format}", k_t, k_scale, "${k_format}") * sm_scale
+        s = tl.dot_scaled(q, q_scale, "${q_format}", k_t, k_scale, "${k_format}") * qk_scale
         valid = mask_n[None, :] & mask_m[:, None]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(valid, s, float("-inf"))
-        # Softmax statistics; a row with no valid key yet keeps m = -inf and p = 0.
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _mx_max_combine))
+        # Softmax statistics; a row with no valid key yet keeps m = -inf and p = 0. The running
+        # maximum is an integer (ceil), so alpha is an exact power of two and P's largest value
+        # lies in (1/2, 1]: P's MX rounding does not depend on BLOCK_N.
+        m_new = tl.maximum(m_i, tl.ceil(tl.reduce(s, 1, _mx_max_combine)))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.reduce(p, 1, _mx_sum_combine)
         # P quantized along the key axis, in blocks of SCALE_BLOCK keys.
         p_blocks = tl.reshape(p, (BLOCK_M, BLOCK_N // SCALE_BLOCK, SCALE_BLOCK))
@@ -140,13 +151,13 @@ def mx_attention_fwd_kernel(
         acc = tl.dot_scaled(p_data, p_scale, "${p_format}", v, v_scale, "${v_format}", acc)
         m_i = m_new
 
-    # Phase 4: normalise and store.
-    out = acc / l_i[:, None]
+    # Phase 4: normalise and store (a row that attended to no key gets 0, as in the CPU op).
+    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     o_ptrs = o_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
     if STORE_LSE:
         # A row that attended to no key gets +inf (the backward then gives it P = 0).
-        lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("inf"))
         tl.store(lse_ptr + head * stride_lh + offs_m * stride_lm, lse, mask=mask_m)
 """
 
@@ -325,7 +336,7 @@ def attention_launch(
         kernel = wrap(kernel)
     kernel[grid](
         q, q_scale, k, k_scale, v, v_scale, out, lse,
-        s_q, s_k, sm_scale,
+        s_q, s_k, sm_scale * _LOG2E,
         *q.stride(), *q_scale.stride(), *k.stride(), *k_scale.stride(), *v.stride(),
         *v_scale.stride(), *out.stride(), *lse_strides,
         **meta,
@@ -386,28 +397,29 @@ def mx_attention_reference(
     return_lse=False,
 ):  # type: ignore[no-untyped-def]
     """The kernel's algorithm replayed in torch with key tiles of `block_n`: online softmax in
-    fp32, P quantized per tile along keys with `mxcompile.numerics.quantize_along`. With
-    return_lse=True: (output, logsumexp fp32), as the kernel's STORE_LSE writes it."""
+    fp32 and base 2 with an integer running maximum, P quantized per tile along keys with
+    `mxcompile.numerics.quantize_along`. With return_lse=True: (output, logsumexp fp32, natural
+    log), as the kernel's STORE_LSE writes it."""
     qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s_all = _scores(qf, kf, sm_scale, causal)
+    s_all = _scores(qf, kf, sm_scale * _LOG2E, causal)
     fmt, mode = elem_format(p_elem), scale_mode(p_scale_mode)
     s_k = s_all.shape[-1]
-    m = torch.full(s_all.shape[:-1], float("-inf"))
-    denom = torch.zeros(s_all.shape[:-1])
-    acc = torch.zeros(*s_all.shape[:-1], vf.shape[-1])
+    m = torch.full(s_all.shape[:-1], float("-inf"), device=s_all.device)
+    denom = torch.zeros(s_all.shape[:-1], device=s_all.device)
+    acc = torch.zeros(*s_all.shape[:-1], vf.shape[-1], device=s_all.device)
     for n0 in range(0, s_k, block_n):
         s = s_all[..., n0 : n0 + block_n]
-        m_new = torch.maximum(m, s.amax(-1))
+        m_new = torch.maximum(m, torch.ceil(s.amax(-1)))
         m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
-        p = torch.exp(s - m_use[..., None])
-        alpha = torch.exp(m - m_use)
+        p = torch.exp2(s - m_use[..., None])
+        alpha = torch.exp2(m - m_use)
         denom = denom * alpha + p.sum(-1)
         p_data, p_scale = quantize_along(p, p.ndim - 1, fmt, mode, block_size)
         p_q = dequantize_along(p_data, p_scale, p.ndim - 1, block_size, torch.float32)
         acc = acc * alpha[..., None] + p_q @ vf[..., n0 : n0 + block_n, :]
         m = m_new
-    out = (acc / denom[..., None]).to(out_dtype)
+    out = torch.where(denom[..., None] > 0, acc / denom[..., None], 0.0).to(out_dtype)
     if return_lse:
-        return out, torch.where(denom > 0, m + torch.log(denom), float("inf"))
+        return out, torch.where(denom > 0, (m + torch.log2(denom)) * _LN2, float("inf"))
     return out

@@ -193,6 +193,46 @@ class _LargestAllocation(TorchDispatchMode):
         return out
 
 
+
+class _OnlyDevice(TorchDispatchMode):
+    """Records every op that takes or makes a tensor on another device than `device` (0-dim
+    CPU tensors included: PyTorch accepts them as arguments beside tensors of any device, but
+    an out-of-place op on one, e.g. `torch.zeros(()).masked_fill(mask, x)`, stays on the CPU)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.elsewhere: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        devices = {t.device for t in leaves if isinstance(t, torch.Tensor)} - {self.device}
+        if devices:
+            self.elsewhere.append(f"{func}: {sorted(map(str, devices))}")
+        return out
+
+
+@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask gqa"])
+def test_impls_create_working_tensors_on_the_inputs_device(case):
+    """The torch implementations are what the CUDA kernels fall back to: every tensor they
+    create must follow the inputs' device. Run on the `meta` device (no data; a tensor created
+    without `device=` shows up on the CPU), with every op's devices checked."""
+    kv_heads = 1 if "gqa" in case else 2
+    q, k, v, do = (t.to("meta") for t in _qkv(0, batch=1, heads=2, kv_heads=kv_heads, q_len=64, k_len=64, width=32))
+    mask = None
+    if "mask" in case:
+        mask = torch.ones(64, 64, dtype=torch.bool, device="meta")
+        if "float" in case:
+            mask = torch.zeros(1, 2, 64, 64, device="meta")
+    is_causal = case == "causal"
+    args = (is_causal, 0.2, "both", "e4m3")
+    with _OnlyDevice("meta") as mode:
+        out, lse = attention_forward_impl(q, k, v, mask, *args, "rceil", 32, 32)
+        grads = attention_backward_impl(do, q, k, v, mask, out, lse, *args, "e4m3", "rceil", 32, 32)
+    assert mode.elsewhere == []
+    assert [t.device.type for t in (out, lse, *grads)] == ["meta"] * 5
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_working_memory_grows_with_sequence_length_not_its_square(is_causal):
     seq, width, tile = 1024, 32, 64
