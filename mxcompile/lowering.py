@@ -101,6 +101,9 @@ def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         return trace(*example_inputs)
 
 
+PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
+
+
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
@@ -114,13 +117,29 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
         from .triton_templates.ops import use_triton_kernels
 
         use_triton_kernels(gm)
+    # A graph whose memory was planned keeps its planned order: Inductor's own peak-memory
+    # reordering moves recomputation earlier than planned (measured on the tiny GPT at half the
+    # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
+    planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
     gm = decompose_mx_ops(gm, example_inputs)
-    with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD):
+    with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
+                               reorder_for_peak_memory=not planned):
         return compile_fx_inner(gm, example_inputs)
 
 
 def eager_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """Runs the rewritten graph op by op (for `explain` and debugging): no Inductor."""
-    from torch._functorch.aot_autograd import make_boxed_func
+    """Runs the rewritten graph op by op (for `explain` and debugging): no Inductor.
 
-    return make_boxed_func(gm.forward)
+    The graph is generated with the boxed calling convention (it takes the argument list and
+    clears it), so that, as in Inductor's code, each input is freed after its last use: the
+    backward then releases saved activations as it goes, as the memory planner assumes."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

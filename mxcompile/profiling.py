@@ -544,7 +544,7 @@ def _make_step(
     return step
 
 
-def _memory_timeline(trace_path: Path) -> list[tuple[float, int]]:
+def memory_timeline(trace_path: Path) -> list[tuple[float, int]]:
     """(ms since the first traced event, bytes allocated since profiling began) of CPU allocations."""
     trace = json.loads(trace_path.read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -573,7 +573,7 @@ def _profile_operators(
     with tempfile.TemporaryDirectory(prefix="mxcompile-trace-") as tmp:
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
-        timeline = _memory_timeline(trace_path)
+        timeline = memory_timeline(trace_path)
     rows = [
         OperatorTime(e.key, classify_operator(e.key), float(e.self_cpu_time_total), int(e.count))
         for e in prof.key_averages()

@@ -9,8 +9,11 @@ reset. So the step runs in a child process that
    falls back);
 2. builds the step, runs it ``warmup_steps`` times (compilation, lazy allocations);
 3. on CPU writes ``5`` to ``/proc/self/clear_refs`` (resets VmHWM to the current RSS), reads
-   VmRSS, runs the step once and reads VmHWM from ``/proc/self/status``; on CUDA resets and
-   reads ``torch.cuda.max_memory_allocated``.
+   VmRSS, runs the step once and reads VmHWM from ``/proc/self/status``; then runs one more
+   step under ``torch.profiler`` with ``profile_memory=True``, whose allocator events give the
+   peak of live tensor storage the step allocated (what the planner models; the RSS also holds
+   allocator slack and fragmentation, which at small sizes is a large part). On CUDA it resets
+   and reads ``torch.cuda.max_memory_allocated`` (tensor storage already).
 
 The step comes from a factory named ``"package.module:function"``: called in the child with
 ``factory_kwargs`` (JSON values), it returns a zero-argument callable that runs one step.
@@ -23,8 +26,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 MMAP_THRESHOLD_BYTES = 65536  # glibc: allocations at least this large use mmap (freed to the OS)
 DEFAULT_TIMEOUT_S = 600.0
@@ -42,11 +47,14 @@ class PeakMeasurement:
         peak_bytes: the process's peak during the step (CPU: VmHWM; CUDA: max allocated).
         before_bytes: resident (CPU) or allocated (CUDA) bytes just before the step.
         step_peak_bytes: ``peak_bytes - before_bytes``: what the step added at its peak.
+        tensor_peak_bytes: peak bytes of tensor storage allocated by the step and live at
+            once (CPU: profiler allocator events; CUDA: same as ``step_peak_bytes``).
     """
 
     device: str
     peak_bytes: int
     before_bytes: int
+    tensor_peak_bytes: int
 
     @property
     def step_peak_bytes(self) -> int:
@@ -59,6 +67,28 @@ def _status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * KIB
     raise RuntimeError(f"/proc/self/status has no {field} line; peak measurement needs Linux procfs")
+
+
+def tensor_peak_bytes(step: Callable[[], None]) -> int:
+    """Peak bytes of CPU tensor storage that ``step()`` holds at once beyond the lowest level
+    it starts from (torch.profiler's allocator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..profiling import memory_timeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory(prefix="mxcompile-peak-") as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        totals = [allocated for _, allocated in memory_timeline(trace)]
+    if not totals:
+        return 0
+    # "Total Allocated" is the allocator's running total, including what was alive before the
+    # step; the step's own peak is measured from the lowest level reached before it (after
+    # the step dropped the previous gradients).
+    peak_at = max(range(len(totals)), key=totals.__getitem__)
+    return totals[peak_at] - min(totals[: peak_at + 1])
 
 
 def _child(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,12 +106,14 @@ def _child(spec: Mapping[str, Any]) -> dict[str, Any]:
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        return {"device": "cuda", "peak_bytes": torch.cuda.max_memory_allocated(), "before_bytes": before}
+        peak = torch.cuda.max_memory_allocated()
+        return {"device": "cuda", "peak_bytes": peak, "before_bytes": before, "tensor_peak_bytes": peak - before}
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write(CLEAR_REFS_RESET_HWM)
     before = _status_bytes("VmRSS")
     step()
-    return {"device": "cpu", "peak_bytes": _status_bytes("VmHWM"), "before_bytes": before}
+    peak = _status_bytes("VmHWM")
+    return {"device": "cpu", "peak_bytes": peak, "before_bytes": before, "tensor_peak_bytes": tensor_peak_bytes(step)}
 
 
 def measure_step_peak(
@@ -118,30 +150,31 @@ def measure_step_peak(
             f"measuring {factory} failed (exit {done.returncode}); child stderr tail:\n{done.stderr[-4000:]}"
         )
     result = json.loads(lines[-1][len(RESULT_MARKER):])
-    return PeakMeasurement(result["device"], int(result["peak_bytes"]), int(result["before_bytes"]))
+    return PeakMeasurement(result["device"], int(result["peak_bytes"]), int(result["before_bytes"]),
+                           int(result["tensor_peak_bytes"]))
 
 
 def gpt_train_step(size: str = "tiny", memory_budget: float | int | None = None, batch_size: int = 8,
                    backend: str = "inductor") -> Any:
     """A step factory for :func:`measure_step_peak`: one forward+backward of an example GPT
-    compiled with the mxfp8 backend (``backend="eager"`` skips Inductor), grads set to None
-    first so that they count in the step's peak."""
+    and its loss, compiled together with the mxfp8 backend (``backend="eager"`` skips
+    Inductor), grads set to None first so that they count in the step's peak."""
     import functools
 
     import torch
 
     from ..backend import compile_graph
     from ..config import MXConfig
-    from ..examples.gpt import gpt_factory, lm_loss
+    from ..examples.gpt import LanguageModelLoss, gpt_factory
     from ..lowering import eager_compiler, inductor_compiler
 
     model, (idx,) = gpt_factory(size, batch_size=batch_size)
     lower = eager_compiler if backend == "eager" else inductor_compiler
-    compiled = torch.compile(model, backend=functools.partial(
+    compiled = torch.compile(LanguageModelLoss(model), backend=functools.partial(
         compile_graph, config=MXConfig(memory_budget=memory_budget), lower=lower))
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        lm_loss(compiled(idx), idx).backward()
+        compiled(idx).backward()
 
     return step

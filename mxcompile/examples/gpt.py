@@ -279,6 +279,19 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+class LanguageModelLoss(nn.Module):
+    """A language model and its next-token loss (targets = the input ids, as in the step
+    benchmarks) as one module, so that one compiled graph covers the whole training step:
+    what the memory planner plans is then all that the step allocates."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return lm_loss(self.model(idx), idx)
+
+
 def gpt_factory(
     size: str = "tiny",
     *,

@@ -1,26 +1,31 @@
-"""Apply the activation-memory plan: recompute via partitioner tags, offload via custom ops.
+"""Apply the activation-memory plan: recompute by moving forward subgraphs into the backward,
+offload via custom ops.
 
 Flow (:func:`plan_and_partition`, called by ``backend.compile_graph``'s partition step):
 
-1. partition a copy of the rewritten joint graph as usual (min-cut);
+1. partition the rewritten joint graph as usual (min-cut);
 2. build the planner's :class:`~mxcompile.planner.Problem` from that forward/backward pair
    (:mod:`mxcompile.planner.fx_adapter`) and plan it for ``config.memory_budget``;
-3. tag the *joint* graph: every node a recomputed tensor replays gets
-   ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``, every kept or offloaded tensor
-   ``MUST_SAVE``. ``min_cut_rematerialization_partition`` honors these tags (the same ones
-   ``torch.utils.checkpoint`` selective checkpointing sets): a MUST_RECOMPUTE node gets an
-   infinite edge to the sink (it runs in the backward), a MUST_SAVE node an infinite edge
-   from the source (it cannot be recomputed). We set no ``ac_graph_id``: that id only makes
-   the partitioner save the boundary between *different* checkpoint regions, and our
-   recompute closures already end at saved tensors;
-4. partition the tagged joint graph, and model the peak of *that* partition (the adapter again,
-   with the planned offloads). The partitioner does not follow the plan to the byte: it
-   replays a recomputed op's sibling outputs, keeps a recompute closure's intermediates alive
-   in the backward, may save a cheaper neighbour. If the modelled peak overshoots the budget,
-   plan again with the target lowered by the overshoot (at most ``MAX_PLAN_ROUNDS`` times)
-   and keep the partition with the lowest peak;
+3. apply the plan to copies of the two graphs (:func:`apply_recompute`), exactly as the
+   planner's model (:mod:`mxcompile.planner.memory`) describes it: a recomputed tensor is no
+   longer a forward output; its closure (the forward nodes back to saved tensors and graph
+   inputs) is copied into the backward just before its first backward use, and the copy
+   replaces the saved value. A recompute input that is itself recomputed is reused where the
+   plan has it resident, else replayed again at that point (a transient). Forward nodes that
+   only fed removed outputs are dropped, so the forward also stops computing them;
+4. model the peak of the rewritten pair (the adapter again, every remaining tensor kept or
+   offloaded). It differs from the plan's prediction only through modelling details (e.g.
+   a keep extension of a saved input that the plan had as transient); if it overshoots the
+   budget, plan again with the target lowered by the overshoot (at most ``MAX_PLAN_ROUNDS``
+   times) and keep the rewrite with the lowest peak;
 5. for offloaded tensors, wrap the saved value in ``mxcompile::offload`` (forward, after its
    last forward use) and ``mxcompile::reload`` (backward, before its first use).
+
+Why not torch's recompute tags (``CheckpointPolicy.MUST_RECOMPUTE``) and a second min-cut: the
+partitioner then keeps one copy of each recomputed node alive from its first to its last
+backward use, replays sibling outputs of multi-output ops and saves neighbours of its own
+choosing, so the measured peak missed tight budgets (7% over at half the activation memory on
+the tiny GPT); copying the closures ourselves makes the graphs match the model.
 
 Recomputation replays the same deterministic ops on the same inputs, so gradients are
 bit-identical to the unplanned step (random ops are never recomputed, see the adapter).
@@ -41,9 +46,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import MXConfig
+from ..lowering import PLANNED_GRAPH_KEY
 from ..cost.profiles import PROFILES, DeviceProfile, measure_cpu_profile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
@@ -102,28 +107,96 @@ def profile_for(graph: fx.GraphModule) -> DeviceProfile:
     return measure_cpu_profile()
 
 
-def tag_joint(joint: fx.GraphModule, plan: Plan, adapted: AdapterResult) -> dict[str, int]:
-    """Set the recompute tags of :mod:`this module <mxcompile.passes.memory_plan>` on the
-    joint graph's nodes (matched by name); returns how many nodes got each tag."""
-    by_name = {n.name: n for n in joint.graph.nodes if n.op == "call_function"}
-    recompute = {name for d in plan.decisions if d.decision == RECOMPUTE for name in adapted.closures[d.name]}
-    save = {d.name for d in plan.decisions if d.decision != RECOMPUTE} - recompute
-    missing = sorted(name for name in recompute | save if name not in by_name and name in adapted.closures)
-    counts = {"must_recompute": 0, "must_save": 0}
-    for name in sorted(recompute):
-        if name in by_name:
-            by_name[name].meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            counts["must_recompute"] += 1
-    for name in sorted(save):
-        if name in by_name:
-            by_name[name].meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            counts["must_save"] += 1
-    if any(name in recompute for name in missing):
-        raise RuntimeError(
-            f"memory plan: forward nodes {missing} are not in the joint graph, so the plan cannot be "
-            "applied; this is a bug in mxcompile (node names changed between partitions), please report it"
-        )
-    return counts
+class _RecomputeWriter:
+    """Copies recompute closures from the forward graph into the backward graph (see
+    :func:`apply_recompute`)."""
+
+    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str], adapted: AdapterResult,
+                 num_fwd_outputs: int) -> None:
+        self.fw, self.bw = fw, bw
+        self.recomputed = recomputed
+        self.closures = adapted.closures
+        self.tensors = {t.name: t for t in adapted.problem.tensors}
+        self.fw_nodes = {n.name: n for n in fw.graph.nodes}
+        self.placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+        n_fwd = sum(1 for n in fw.graph.nodes if n.op == "call_function")
+        bw_ops = [n for n in bw.graph.nodes if n.op == "call_function"]
+        self.point = {n_fwd + i: n for i, n in enumerate(bw_ops)}  # planner step -> backward node
+        self.copies: dict[int, dict[fx.Node, fx.Node]] = {}  # step -> forward node -> its copy there
+        self.new_inputs: list[fx.Node] = []  # forward placeholders the backward now needs
+        # Where new saved inputs go: the backward's saved values follow its saved SymInts.
+        self.first_saved = next(n for n in bw.graph.nodes if n.op == "placeholder"
+                                and not isinstance(n.meta.get("val"), torch.SymInt))
+        self.num_fwd_outputs = num_fwd_outputs
+
+    def materialize(self, name: str, step: int) -> fx.Node:
+        """The backward node holding recomputed ``name`` at planner step ``step`` (created,
+        with its closure, just before that step's node, unless already there)."""
+        env = self.copies.setdefault(step, {})
+        target = self.fw_nodes[name]
+        if target in env:
+            return env[target]
+        point = self.point.get(step)
+        if point is None:
+            raise RuntimeError(f"memory plan: recompute point {step} of {name!r} is not a backward step; "
+                               "this is a bug in mxcompile, please report it")
+        for node in (self.fw_nodes[n] for n in self.closures[name]):
+            if node in env:
+                continue
+            args = {arg: self.resolve(arg, step) for arg in node.all_input_nodes if arg not in env}
+            with self.bw.graph.inserting_before(point):
+                env[node] = self.bw.graph.node_copy(node, lambda arg: env[arg] if arg in env else args[arg])
+        return env[target]
+
+    def resolve(self, arg: fx.Node, step: int) -> fx.Node:
+        """What a closure copied at ``step`` reads for the forward node ``arg`` (a saved tensor
+        or a graph input; the closure's own members are looked up by the caller)."""
+        if arg.name in self.recomputed:
+            tensor = self.tensors[arg.name]
+            resident = tensor.first_backward_use <= step <= tensor.last_backward_use
+            return self.materialize(arg.name, tensor.first_backward_use if resident else step)
+        if arg.name in self.placeholders:
+            return self.placeholders[arg.name]
+        if arg.op != "placeholder":
+            raise RuntimeError(f"memory plan: recompute reads forward node {arg.name!r}, which is neither saved nor "
+                               "a graph input; this is a bug in mxcompile, please report it")
+        with self.bw.graph.inserting_before(self.first_saved):
+            ph = self.bw.graph.placeholder(arg.name)
+        ph.meta.update(arg.meta)
+        self.placeholders[arg.name] = ph
+        self.new_inputs.append(arg)
+        return ph
+
+
+def apply_recompute(fw: fx.GraphModule, bw: fx.GraphModule, names: Sequence[str], adapted: AdapterResult,
+                    num_fwd_outputs: int) -> None:
+    """Rewrite the partitioned pair ``fw``/``bw`` (in place) so that each saved tensor in
+    ``names`` is recomputed in the backward as the planner models it (module docstring,
+    step 3). ``adapted`` must come from :func:`build_problem` on this same pair."""
+    recomputed = set(names)
+    writer = _RecomputeWriter(fw, bw, recomputed, adapted, num_fwd_outputs)
+    for name in sorted(recomputed, key=lambda n: (writer.tensors[n].first_backward_use, n)):
+        ph = writer.placeholders[name]
+        if ph.users:
+            value = writer.materialize(name, writer.tensors[name].first_backward_use)
+            ph.replace_all_uses_with(value)
+        bw.graph.erase_node(ph)
+        del writer.placeholders[name]
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    outputs = output.args[0]
+    if not isinstance(outputs, (list, tuple)):
+        raise RuntimeError(f"memory plan: the forward graph returns {type(outputs).__name__}, not the flat "
+                           "list the partitioner makes; this is a bug in mxcompile, please report it")
+    kept = [leaf for i, leaf in enumerate(outputs)
+            if i < num_fwd_outputs or not (isinstance(leaf, fx.Node) and leaf.name in recomputed)]
+    # New saved graph inputs go first among the saved values: the backward reads its saved
+    # placeholders in forward-output order after the saved SymInts (see the partitioner).
+    kept[num_fwd_outputs:num_fwd_outputs] = writer.new_inputs
+    output.args = (type(outputs)(kept),)
+    fw.graph.eliminate_dead_code()
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _fake_call(op: Any, *args: Any) -> torch.Tensor:
@@ -172,17 +245,12 @@ def insert_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: Sequence[str],
     return wrapped
 
 
-def _saved_names(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
-    output = next(n for n in fw.graph.nodes if n.op == "output")
-    return {n.name for n in pytree.tree_leaves(output.args[0])[num_fwd_outputs:] if isinstance(n, fx.Node)}
-
-
 def plan_report(plan: Plan, adapted: AdapterResult, *, profile: DeviceProfile) -> dict[str, Any]:
     """The JSON-friendly plan for ``report.memory_plan``."""
     problem = adapted.problem
     fractions = list(CURVE_FRACTIONS)
     budgets = [adapted.budget_for_fraction(f) for f in fractions]
-    curve = budget_curve(problem, budgets, solver=CURVE_SOLVER)
+    curve = budget_curve(problem, budgets, solver=CURVE_SOLVER, tie_groups=adapted.tie_groups)
     binding = problem.steps[plan.binding_step] if problem.steps else None
     return {
         "budget_bytes": plan.budget_bytes,
@@ -190,7 +258,9 @@ def plan_report(plan: Plan, adapted: AdapterResult, *, profile: DeviceProfile) -
         "keep_all_peak_bytes": adapted.keep_all_peak_bytes,
         "activation_bytes": adapted.activation_bytes,
         "floor_bytes": adapted.floor_bytes,
+        "min_peak_bytes": adapted.min_peak_bytes,
         "param_bytes": adapted.param_bytes,
+        "input_bytes": adapted.input_bytes,
         "predicted_peak_bytes": plan.peak_bytes,
         "predicted_step_time_s": plan.step_time_s,
         "keep_all_step_time_s": plan.base_time_s,
@@ -219,14 +289,6 @@ def plan_report(plan: Plan, adapted: AdapterResult, *, profile: DeviceProfile) -
     }
 
 
-def _restore_tags(original: dict[fx.Node, Any]) -> None:
-    for node, tag in original.items():
-        if tag is None:
-            node.meta.pop("recompute", None)
-        else:
-            node.meta["recompute"] = tag
-
-
 def _record(report: Report, entry: dict[str, Any]) -> None:
     """One dynamo graph's plan: its keys at the top level (the common one-graph case), and
     every graph's plan under "graphs"."""
@@ -250,8 +312,8 @@ def plan_and_partition(
     clone: Callable[[fx.GraphModule], fx.GraphModule],
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Partition ``joint``; with ``config.memory_budget`` set, plan the saved activations
-    first and partition under that plan (see the module docstring).
+    """Partition ``joint``; with ``config.memory_budget`` set, plan the saved activations of
+    that partition and rewrite it to follow the plan (see the module docstring).
 
     Raises:
         BudgetInfeasibleError: the budget cannot be met; the message names the smallest
@@ -259,62 +321,53 @@ def plan_and_partition(
     """
     if config.memory_budget is None:
         return partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-    fw0, bw0 = partition_fn(clone(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    fw0, bw0 = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     profile = profile_for(joint)
     adapted = build_problem(fw0, bw0, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
                             profile=profile, budget=config.memory_budget, offload=config.offload)
     budget = adapted.problem.budget_bytes
-    original_tags = {n: n.meta.get("recompute") for n in joint.graph.nodes}
     target = budget
-    best: tuple[int, Plan, dict[str, int], fx.GraphModule, fx.GraphModule, AdapterResult | None] | None = None
+    best: tuple[int, Plan, fx.GraphModule, fx.GraphModule, AdapterResult] | None = None
     rounds = 0
     for rounds in range(1, MAX_PLAN_ROUNDS + 1):
         try:
             plan = plan_activation_memory(replace(adapted.problem, budget_bytes=target), solver=PLAN_SOLVER,
-                                          time_limit_s=PLAN_TIME_LIMIT_S)
+                                          time_limit_s=PLAN_TIME_LIMIT_S, tie_groups=adapted.tie_groups)
         except BudgetInfeasibleError:
             if best is None:
                 raise  # the budget itself is infeasible: a configuration error for the user
-            break  # a tightened target is infeasible: keep the best partition found
-        _restore_tags(original_tags)
-        tags = tag_joint(joint, plan, adapted)
-        fw, bw = partition_fn(clone(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            break  # a tightened target is infeasible: keep the best rewrite found
+        fw, bw = clone(fw0), clone(bw0)
+        apply_recompute(fw, bw, [d.name for d in plan.decisions if d.decision == RECOMPUTE], adapted,
+                        num_fwd_outputs)
         realized = build_problem(fw, bw, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
-                                 profile=profile, offload=config.offload)
+                                 profile=profile, offload=config.offload, with_min_peak=False)
         offload_names = {d.name for d in plan.decisions if d.decision == OFFLOAD}
         peak = evaluate(realized.problem, {t.name: OFFLOAD if t.name in offload_names else KEEP
                                            for t in realized.problem.tensors}).peak_bytes
         if best is None or peak < best[0]:
-            best = (peak, plan, tags, fw, bw, realized)
+            best = (peak, plan, fw, bw, realized)
         if peak <= budget:
             break
-        target -= peak - budget  # the partition overshot the model: plan again, tighter by the overshoot
-    _restore_tags(original_tags)
+        target -= peak - budget  # the rewrite overshot the model: plan again, tighter by the overshoot
     assert best is not None
-    peak, plan, tags, fw, bw, realized = best
+    peak, plan, fw, bw, realized = best
     entry = plan_report(plan, adapted, profile=profile)
-    entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, tags=tags, plan_rounds=rounds,
+    entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, plan_rounds=rounds,
                  realized_peak_bytes=peak, realized_saved_bytes=sum(t.nbytes for t in realized.problem.tensors),
                  budget_met=peak <= budget)
     if peak > budget:
         warnings.warn(
-            f"memory plan: the partitioned graph's modelled peak {peak} B exceeds memory_budget {budget} B after "
+            f"memory plan: the rewritten graphs' modelled peak {peak} B exceeds memory_budget {budget} B after "
             f"{rounds} planning rounds; raise memory_budget to at least {peak} bytes to meet it exactly",
             stacklevel=2,
         )
     offloaded = [d.name for d in plan.decisions if d.decision == OFFLOAD]
     entry["offload_applied"] = insert_offload(fw, bw, offloaded, num_fwd_outputs) if offloaded else []
-    # What the partitioner actually saved, against the plan (it may recompute a sibling output
-    # of a recomputed op, or save a cheaper neighbour): informational.
-    saved_after = _saved_names(fw, num_fwd_outputs)
-    planned_keep = {d.name for d in plan.decisions if d.decision in (KEEP, OFFLOAD) and d.nbytes > 0}
-    recomputed = {d.name for d in plan.decisions if d.decision == RECOMPUTE}
-    entry["deviations"] = sorted(
-        [f"{n}: planned {RECOMPUTE}, still saved" for n in recomputed & saved_after]
-        + [f"{n}: planned kept, not saved" for n in planned_keep - saved_after]
-    )
+    for gm in (fw, bw):
+        gm.meta[PLANNED_GRAPH_KEY] = True
     _record(report, entry)
     return fw, bw
 
 
-__all__ = ["insert_offload", "plan_and_partition", "plan_report", "profile_for", "tag_joint"]
+__all__ = ["apply_recompute", "insert_offload", "plan_and_partition", "plan_report", "profile_for"]

@@ -21,11 +21,14 @@ Saved tensors (the decision variables)
     ``first_backward_use`` / ``last_backward_use`` are the backward steps reading its
     placeholder. Recomputing a tensor replays its forward *closure*: the producer and every
     forward node back to the nearest saved tensors or graph inputs (``recompute_inputs``);
-    its cost is the closure's estimated time. A closure with a random op
-    (``native_dropout``, ``rand*``, ``bernoulli``...) is not recomputable.
+    its cost is the closure's estimated time, and its ``recompute_work_bytes`` the peak bytes
+    of the closure's intermediates during the replay (each freed after its last use inside
+    the closure) beyond the tensor itself. A closure with a random op (``native_dropout``,
+    ``rand*``, ``bernoulli``...) is not recomputable.
 
 Baseline (bytes at each step that are not decisions)
-    parameters and the caller's inputs (every step), transient activations that are not
+    parameters and the caller's inputs (every step), each op's workspace (its step only,
+    :func:`~mxcompile.cost.graph_costs.workspace_bytes`), transient activations that are not
     saved (from their producer to their last use, aliases extending their base), the user
     outputs (to the end of the forward), tangents (from the start of the backward to their
     last use), and gradients (from production to the end of the step, i.e. grads are set to
@@ -37,6 +40,7 @@ Baseline (bytes at each step that are not decisions)
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -44,8 +48,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..cost.graph_costs import is_alias, node_bytes, node_time_s
+from ..cost.graph_costs import is_alias, node_bytes, node_time_s, workspace_bytes
 from ..cost.profiles import DeviceProfile
+from .heuristic import HeuristicPlanner
 from .memory import evaluate
 from .problem import BACKWARD, FORWARD, KEEP, Problem, SavedTensor, Step
 
@@ -80,9 +85,19 @@ class AdapterResult:
             (the producer included).
         keep_all_peak_bytes: predicted peak when every saved tensor is kept.
         floor_bytes: the largest baseline (non-decision bytes) over the steps.
-        activation_bytes: ``keep_all_peak_bytes - floor_bytes``, the headroom the saved
-            activations add to the peak; a fractional budget scales this.
+        min_peak_bytes: the lowest peak the planner reaches (every tensor it can free
+            freed, :meth:`HeuristicPlanner.min_peak`); it is at least the floor, plus what
+            must be resident where the peak is (e.g. the inputs of the op running there).
+        activation_bytes: ``keep_all_peak_bytes - min_peak_bytes``: the activation memory
+            a plan can take off the peak; a fractional budget scales this, as torch's
+            ``activation_memory_budget`` scales the range between its most aggressive
+            recompute and its default partition.
         param_bytes: parameter bytes (part of every step's baseline).
+        input_bytes: parameters and the caller's inputs: the bytes alive before the step
+            starts (a measured step peak adds to them).
+        tie_groups: saved views of one storage (e.g. q, k and v cut from one qkv GEMM
+            output): the storage is freed only when all of them are, so they take one
+            decision (pass to the solvers) and share one lifetime.
         fraction: the fractional budget asked for, or None for a byte budget.
     """
 
@@ -90,15 +105,18 @@ class AdapterResult:
     closures: dict[str, tuple[str, ...]]
     keep_all_peak_bytes: int
     floor_bytes: int
+    min_peak_bytes: int
     activation_bytes: int
     param_bytes: int
+    input_bytes: int
+    tie_groups: tuple[tuple[str, ...], ...] = ()
     fraction: float | None = None
     notes: tuple[str, ...] = field(default=())
 
     def budget_for_fraction(self, fraction: float) -> int:
-        """Bytes of a fractional budget: ``floor + fraction * activation headroom`` (rounded
-        up), so 1.0 is exactly the keep-everything peak."""
-        return max(1, math.ceil(self.floor_bytes + fraction * self.activation_bytes))
+        """Bytes of a fractional budget: ``min_peak + fraction * activation_bytes`` (rounded
+        up), so 1.0 is exactly the keep-everything peak and 0.0 the lowest reachable one."""
+        return max(1, math.ceil(self.min_peak_bytes + fraction * self.activation_bytes))
 
 
 def _saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Any]:
@@ -110,6 +128,19 @@ def _alias_root(node: fx.Node) -> fx.Node:
     while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
+
+
+def _use_steps(node: fx.Node, step_of: dict[fx.Node, int]) -> set[int]:
+    """Steps reading ``node``'s storage: its users and, through views, their users."""
+    steps: set[int] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user in step_of:
+                steps.add(step_of[user])
+                if is_alias(user):
+                    stack.append(user)
+    return steps
 
 
 def _add_interval(baseline: list[int], lo: int, hi: int, nbytes: int) -> None:
@@ -152,6 +183,7 @@ def build_problem(
     profile: DeviceProfile,
     budget: int | float | None = None,
     offload: bool = False,
+    with_min_peak: bool = True,
 ) -> AdapterResult:
     """The planning problem of one partitioned training step (see the module docstring).
 
@@ -163,6 +195,8 @@ def build_problem(
         budget: bytes (int), a fraction in (0, 1] of the activation headroom (float, see
             :meth:`AdapterResult.budget_for_fraction`), or None (keep-everything peak).
         offload: allow the "offload" decision (the profile's host-link bandwidth).
+        with_min_peak: find ``min_peak_bytes`` (a heuristic run); without it, it is the
+            floor (enough for checking a graph's peak, not for fractional budgets).
     """
     fw_nodes = [n for n in fw.graph.nodes if n.op == "call_function"]
     bw_nodes = [n for n in bw.graph.nodes if n.op == "call_function"]
@@ -199,9 +233,11 @@ def build_problem(
     grads = {n: n_steps - 1 for n in pytree.tree_leaves(bw_output.args[0]) if isinstance(n, fx.Node)}
     for lo, hi, nbytes in _liveness(bw_nodes, bw_step, excluded=set(), end_step=grads):
         _add_interval(baseline, lo, hi, nbytes)
+    for step, node in enumerate([*fw_nodes, *bw_nodes]):
+        baseline[step] += workspace_bytes(node)
     for name, ph in bw_placeholders.items():
         if name.startswith("tangents"):
-            uses = [bw_step[u] for u in ph.users if u in bw_step]
+            uses = _use_steps(ph, bw_step)
             _add_interval(baseline, n_fwd, max(uses, default=n_fwd), node_bytes(ph))
 
     resident = [p.name for p in placeholders if p not in saved_set]
@@ -212,9 +248,9 @@ def build_problem(
         is_input = node.op == "placeholder"
         nbytes = 0 if (root in params or root.op == "placeholder") else node_bytes(node)
         produced = fw_step.get(node, 0)
-        fw_uses = [fw_step[u] for u in node.users if u in fw_step]
+        fw_uses = _use_steps(node, fw_step)
         ph = bw_placeholders.get(node.name)
-        bw_uses = sorted(bw_step[u] for u in ph.users if u in bw_step) if ph is not None else []
+        bw_uses = sorted(_use_steps(ph, bw_step)) if ph is not None else []
         closure, inputs, random = ([], [], False) if is_input else _closure(node, saved_set, fw_step)
         closures[node.name] = tuple(n.name for n in closure)
         tensors.append(SavedTensor(
@@ -228,7 +264,10 @@ def build_problem(
             recompute_inputs=tuple(i.name for i in inputs),
             recomputable=not (is_input or random),
             offloadable=nbytes > 0,
+            recompute_work_bytes=max(0, replay_peak_bytes(closure) - node_bytes(node)),
         ))
+    ties = _storage_groups([n for n, t in zip(saved, tensors) if t.nbytes > 0])
+    tensors = _share_lifetimes(tensors, ties)
     problem = Problem(
         steps=tuple(steps),
         tensors=tuple(tensors),
@@ -239,13 +278,17 @@ def build_problem(
     )
     keep_all = evaluate(problem, {t.name: KEEP for t in tensors})
     floor = max(baseline)
+    min_peak = HeuristicPlanner(problem, tie_groups=ties).min_peak().peak_bytes if with_min_peak else floor
     result = AdapterResult(
         problem=problem,
         closures=closures,
         keep_all_peak_bytes=keep_all.peak_bytes,
         floor_bytes=floor,
-        activation_bytes=max(0, keep_all.peak_bytes - floor),
+        min_peak_bytes=min_peak,
+        activation_bytes=max(0, keep_all.peak_bytes - min_peak),
         param_bytes=param_bytes,
+        input_bytes=param_bytes + caller_bytes,
+        tie_groups=ties,
     )
     if budget is None:
         budget_bytes, fraction = keep_all.peak_bytes, None
@@ -254,6 +297,65 @@ def build_problem(
     else:
         budget_bytes, fraction = int(budget), None
     return replace(result, problem=replace(problem, budget_bytes=max(1, budget_bytes)), fraction=fraction)
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node owning ``node``'s storage: through views, but not through ``getitem`` (each
+    output of a multi-output op is its own storage)."""
+    while is_alias(node) and node.target is not operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _storage_groups(saved: Sequence[fx.Node]) -> tuple[tuple[str, ...], ...]:
+    """Names of saved tensors sharing one storage, for every storage held by two or more."""
+    by_root: dict[fx.Node, list[str]] = {}
+    for node in saved:
+        by_root.setdefault(_storage_root(node), []).append(node.name)
+    return tuple(tuple(names) for names in by_root.values() if len(names) > 1)
+
+
+def _share_lifetimes(tensors: list[SavedTensor], groups: Sequence[Sequence[str]]) -> list[SavedTensor]:
+    """Give the members of each group the union of their lifetimes (first production and
+    backward use, last forward and backward use): their storage lives that long."""
+    index = {t.name: i for i, t in enumerate(tensors)}
+    shared = list(tensors)
+    for group in groups:
+        members = [tensors[index[name]] for name in group]
+        union = dict(
+            produced_at=min(t.produced_at for t in members),
+            last_forward_use=max(t.last_forward_use for t in members),
+            first_backward_use=min(t.first_backward_use for t in members),
+            last_backward_use=max(t.last_backward_use for t in members),
+        )
+        for name in group:
+            shared[index[name]] = replace(tensors[index[name]], **union)
+    return shared
+
+
+def replay_peak_bytes(closure: Sequence[fx.Node]) -> int:
+    """Peak bytes held while running ``closure`` (forward nodes in graph order) on its own:
+    each allocating node adds its bytes (and its workspace while it runs), and is freed after
+    the last closure node reading it or a view of it, except the last node (the result)."""
+    members = set(closure)
+    position = {n: i for i, n in enumerate(closure)}
+    last_read: dict[fx.Node, int] = {}
+    for node in closure:
+        for arg in node.all_input_nodes:
+            root = _alias_root(arg)
+            if root in members:
+                last_read[root] = max(last_read.get(root, -1), position[node])
+    frees: dict[int, int] = {}
+    for root, index in last_read.items():
+        if root is not _alias_root(closure[-1]) and not is_alias(root):
+            frees[index] = frees.get(index, 0) + node_bytes(root)
+    live = peak = 0
+    for index, node in enumerate(closure):
+        if not is_alias(node):
+            live += node_bytes(node)
+        peak = max(peak, live + workspace_bytes(node))
+        live -= frees.get(index, 0)
+    return peak
 
 
 def _closure(

@@ -22,7 +22,8 @@ Constraints (exactly the rules of :mod:`.memory`)
     and start a: link >= sum_{window ends <= b} T_y x[y, offload] - c[0..b],
                  link >= sum_{window starts >= a} T_y x[y, offload] - c[a..end]
     memory[t] <= budget at every step t, where memory[t] = baseline[t] + keep-everything bytes
-    at t - bytes freed at t by the chosen decisions + tr/fe/ext bytes at t.
+    at t - bytes freed at t by the chosen decisions + recompute work bytes at recompute
+    points + tr/fe/ext bytes at t (tr with the work bytes).
 
 Objective and tie-breaking
     1. minimise extra time = recompute + transient recompute + fetches + link;
@@ -103,7 +104,7 @@ class _Model:
         self.units = units
         problem = tables.problem
         self.n_steps = tables.n_steps
-        self.mem_scale = float(max(max(tables.nbytes, default=1), 1))
+        self.mem_scale = float(max(max((b + w for b, w in zip(tables.nbytes, tables.work_bytes)), default=1), 1))
         n_vars = 0
         self.choice: list[dict[int, int]] = []
         for allowed in units.allowed:
@@ -211,6 +212,10 @@ class _Model:
         keep_bytes = [0] * (self.n_steps + 1)
         mem_entries: list[dict[int, float]] = [dict() for _ in range(self.n_steps)]
         for i, size in enumerate(tables.nbytes):
+            work_col = var(i, RECOMPUTE_CODE)
+            if work_col is not None and tables.work_bytes[i]:
+                fb = tables.first_backward_use[i]
+                mem_entries[fb][work_col] = mem_entries[fb].get(work_col, 0.0) + tables.work_bytes[i] / self.mem_scale
             if size == 0:
                 continue
             (p, lb), = tables.intervals[i][KEEP_CODE]
@@ -226,7 +231,8 @@ class _Model:
                         mem_entries[t][col] = mem_entries[t].get(col, 0.0) - size / self.mem_scale
         for group in (self.trans, self.fetch, self.ext):
             for (y, t), col in group.items():
-                mem_entries[t][col] = mem_entries[t].get(col, 0.0) + tables.nbytes[y] / self.mem_scale
+                transient = tables.nbytes[y] + (tables.work_bytes[y] if group is self.trans else 0)
+                mem_entries[t][col] = mem_entries[t].get(col, 0.0) + transient / self.mem_scale
         running = 0
         self.fixed_bytes = []
         for t in range(self.n_steps):

@@ -11,7 +11,8 @@ nbytes / host_link_bandwidth (one direction). Intervals are inclusive step range
 Residency of x under its own decision
     keep:       [p, lb]
     recompute:  [p, lf] and [fb, lb]. The recomputation runs at the start of step fb (its
-                *recompute point*, just before the first backward use); x is live from there on.
+                *recompute point*, just before the first backward use); x is live from there on,
+                and its ``recompute_work_bytes`` (the replay's intermediates) at step fb only.
     offload:    [p, d] and [q, lb], where
                 * the device-to-host copy starts when x is produced and overlaps the compute of
                   steps p+1, p+2, ...; ``d`` is the first step >= lf by which that compute adds up
@@ -26,7 +27,8 @@ Recompute chains (what recomputing x at its recompute point s = fb_x needs)
     * y resident at s under its own decision: nothing more.
     * y kept, but s > lb_y: y's keep interval is *extended* to s (it is held longer).
     * y recomputed, not resident at s: y is recomputed *transiently* at s (its recompute cost
-      again, its bytes at step s only) and, recursively, y's own inputs must be resident at s.
+      again, its bytes and work bytes at step s only) and, recursively, y's own inputs must be
+      resident at s.
     * y offloaded, not resident at s: y is fetched *synchronously* at s (T_y fully exposed, its
       bytes at step s only).
     Each tensor is materialised at most once per step (shared by every recomputation at that
@@ -151,6 +153,7 @@ class Tables:
     problem: Problem
     n_steps: int
     nbytes: tuple[int, ...]
+    work_bytes: tuple[int, ...]
     last_backward_use: tuple[int, ...]
     first_backward_use: tuple[int, ...]
     recompute_cost: tuple[float, ...]
@@ -175,8 +178,9 @@ class Tables:
 class _Arrays:
     """NumPy forms of the tables for fast evaluation.
 
-    ``pos[i, code]`` / ``val[i, code]``: the four difference-array updates of tensor i's
-    residency under ``code`` (start +bytes, end+1 -bytes, twice; padding hits a dummy slot).
+    ``pos[i, code]`` / ``val[i, code]``: the difference-array updates of tensor i's residency
+    under ``code`` (start +bytes, end+1 -bytes, twice; then, for recompute, the work bytes at
+    the recompute point; padding hits a dummy slot).
     ``resident[i, code]``: ``Tables.backward_resident``; ``pairs``: (x, y, fb_x) for every
     saved input y of every recomputable x.
     ``link``: (order, compute, transfer), four rows each: for each link direction, the
@@ -197,6 +201,7 @@ class _Arrays:
 
 
 _EMPTY_RANGE = (1, 0)
+_UPDATE_SLOTS = 6  # two residency intervals (start, end+1) and the recompute work spike
 
 
 def _two_ranges(intervals: tuple[Interval, ...]) -> tuple[int, int, int, int]:
@@ -209,14 +214,18 @@ def _two_ranges(intervals: tuple[Interval, ...]) -> tuple[int, int, int, int]:
 def _build_arrays(problem: Problem, intervals, transfer, exposed, orders, prefix, inputs, resident) -> _Arrays:
     n = len(problem.tensors)
     dummy = len(problem.steps) + 1
-    pos = np.full((n, len(DECISIONS), 4), dummy, dtype=np.int64)
-    val = np.zeros((n, len(DECISIONS), 4), dtype=np.int64)
+    pos = np.full((n, len(DECISIONS), _UPDATE_SLOTS), dummy, dtype=np.int64)
+    val = np.zeros((n, len(DECISIONS), _UPDATE_SLOTS), dtype=np.int64)
     for i, per_code in enumerate(intervals):
-        size = problem.tensors[i].nbytes
+        tensor = problem.tensors[i]
         for code, ranges in enumerate(per_code):
             for r, (lo, hi) in enumerate(ranges):
                 pos[i, code, 2 * r : 2 * r + 2] = (lo, hi + 1)
-                val[i, code, 2 * r : 2 * r + 2] = (size, -size)
+                val[i, code, 2 * r : 2 * r + 2] = (tensor.nbytes, -tensor.nbytes)
+        if per_code[RECOMPUTE_CODE]:
+            fb = tensor.first_backward_use
+            pos[i, RECOMPUTE_CODE, 4:6] = (fb, fb + 1)
+            val[i, RECOMPUTE_CODE, 4:6] = (tensor.recompute_work_bytes, -tensor.recompute_work_bytes)
     total = prefix[-1]
     order_rows = []
     compute_rows = []
@@ -294,6 +303,7 @@ def build_tables(problem: Problem) -> Tables:
         problem=problem,
         n_steps=n_steps,
         nbytes=tuple(t.nbytes for t in problem.tensors),
+        work_bytes=tuple(t.recompute_work_bytes for t in problem.tensors),
         last_backward_use=tuple(t.last_backward_use for t in problem.tensors),
         first_backward_use=tuple(t.first_backward_use for t in problem.tensors),
         recompute_cost=tuple(float(t.recompute_cost_s) for t in problem.tensors),
@@ -456,8 +466,9 @@ def evaluate_codes(tables: Tables, codes: Sequence[int]) -> Evaluation:
             if code == KEEP_CODE:
                 extension_end[y] = max(extension_end.get(y, step), step)
                 continue
+            transient_bytes = nbytes[y] + (tables.work_bytes[y] if code == RECOMPUTE_CODE else 0)
             extra_pos += (step, step + 1)
-            extra_val += (nbytes[y], -nbytes[y])
+            extra_val += (transient_bytes, -transient_bytes)
             if code == RECOMPUTE_CODE:
                 recompute_time += tables.recompute_cost[y]
                 transients.append((y, step, RECOMPUTE))

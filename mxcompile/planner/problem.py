@@ -177,6 +177,8 @@ class SavedTensor:
         recomputable: False for tensors that cannot be recomputed bit-exactly, e.g. outputs
             of random ops whose RNG state is not preserved.
         offloadable: False for tensors that must not leave the device.
+        recompute_work_bytes: bytes that replaying its recomputation holds besides the tensor
+            itself (the closure's intermediates at their peak), live at the recompute step only.
     """
 
     name: str
@@ -189,6 +191,7 @@ class SavedTensor:
     recompute_inputs: tuple[str, ...] = ()
     recomputable: bool = True
     offloadable: bool = True
+    recompute_work_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -200,6 +203,7 @@ class SavedTensor:
         if self.last_backward_use is None:
             object.__setattr__(self, "last_backward_use", self.first_backward_use)
         _check_nonneg_int(f"{where}: last_backward_use", self.last_backward_use)
+        _check_nonneg_int(f"{where}: recompute_work_bytes", self.recompute_work_bytes)
         if self.last_forward_use < self.produced_at:
             raise ValueError(
                 f"{where}: last_forward_use={self.last_forward_use} is before produced_at={self.produced_at}"

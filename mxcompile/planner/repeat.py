@@ -71,6 +71,7 @@ def repeat_block(block: Problem, n_blocks: int, *, persistent_bytes: int = 0) ->
                     recompute_inputs=tuple(rename(k, n) for n in t.recompute_inputs),
                     recomputable=t.recomputable,
                     offloadable=t.offloadable,
+                    recompute_work_bytes=t.recompute_work_bytes,
                 )
             )
     resident = tuple(rename(k, n) for k in range(n_blocks) for n in block.resident_inputs if n not in saved)

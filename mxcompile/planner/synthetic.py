@@ -154,6 +154,7 @@ def random_problem(rng, n_tensors: int, *, max_forward: int = 8, max_backward: i
                 recompute_inputs=tuple(inputs),
                 recomputable=rng.random() < 0.75,
                 offloadable=rng.random() < 0.75,
+                recompute_work_bytes=rng.randint(0, RANDOM_MAX_BYTES // 2) if rng.random() < 0.5 else 0,
             )
         )
     return Problem(

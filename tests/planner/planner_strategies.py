@@ -47,6 +47,7 @@ def problems(draw, max_tensors: int = 6, max_forward: int = 5, max_backward: int
                 recompute_inputs=tuple(inputs),
                 recomputable=draw(st.booleans()) or draw(st.booleans()),
                 offloadable=draw(st.booleans()) or draw(st.booleans()),
+                recompute_work_bytes=draw(st.sampled_from([0, 0, 8, 40])),
             )
         )
     baseline = tuple(draw(st.lists(st.integers(0, 32), min_size=n_steps, max_size=n_steps)))

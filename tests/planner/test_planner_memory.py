@@ -99,6 +99,21 @@ def test_keep_extension_and_synchronous_fetch():
     assert fetched.step_time_s == pytest.approx(9 * MS)
 
 
+def test_recompute_work_bytes_at_the_recompute_point_and_in_transients():
+    steps = tuple(Step(f"s{t}", "forward" if t < 3 else "backward", 1 * MS) for t in range(7))
+    # y (10 B, replay holds 100 B more) is recomputed at step 5; x, recomputed at step 3,
+    # needs y before then: a transient replay of y at step 3 holds y and its work.
+    y = SavedTensor("y", 10, 0, 0, 5, 5, recompute_cost_s=1 * MS, recompute_work_bytes=100)
+    x = SavedTensor("x", 8, 1, 1, 3, 3, recompute_cost_s=1 * MS, recompute_inputs=("y",),
+                    recompute_work_bytes=30)
+    problem = Problem(steps, (y, x), (0,) * 7, budget_bytes=1000)
+    only_y = evaluate(problem, {"y": "recompute"})
+    assert only_y.memory_curve == (10, 8, 8, 8, 0, 110, 0)
+    both = evaluate(problem, {"y": "recompute", "x": "recompute"})
+    assert both.transients == ((0, 3, "recompute"),)
+    assert both.memory_curve == (10, 8, 0, 8 + 30 + 10 + 100, 0, 110, 0)
+
+
 def test_link_serialisation_bound():
     # Two 80 B tensors with 100 B/ms: 0.8 ms each, each hidden alone under the 1 ms step f1,
     # but the link carries one at a time: 1.6 ms of copy-out in a 1 ms window.
@@ -156,6 +171,9 @@ def _reference(problem: Problem, codes) -> tuple[list[int], float]:
             windows.append(((p + 1, done), (start, fb - 1), transfer))
     memory = [problem.baseline_bytes[s] + sum(t.nbytes for t, r in zip(tensors, resident) if s in r)
               for s in range(n_steps)]
+    for t, code in zip(tensors, codes):
+        if DECISION_NAMES[code] == "recompute":
+            memory[t.first_backward_use] += t.recompute_work_bytes
     extra = sum(t.recompute_cost_s for t, code in zip(tensors, codes) if DECISION_NAMES[code] == "recompute")
     fetch = 0.0
     extended: dict[int, int] = {}
@@ -176,7 +194,7 @@ def _reference(problem: Problem, codes) -> tuple[list[int], float]:
             if kind == "keep":
                 extended[y] = max(extended.get(y, s), s)
             elif kind == "recompute":
-                memory[s] += tensors[y].nbytes
+                memory[s] += tensors[y].nbytes + tensors[y].recompute_work_bytes
                 extra += tensors[y].recompute_cost_s
                 todo += [names[n] for n in tensors[y].recompute_inputs if n in names]
             else:
