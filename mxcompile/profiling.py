@@ -552,14 +552,20 @@ def memory_timeline(trace_path: Path) -> list[tuple[float, int]]:
     if not starts:
         return []
     origin = min(starts)
-    points = [
-        ((e["ts"] - origin) / US_PER_MS, int(e["args"]["Total Allocated"]))
-        for e in events
-        if e.get("name") == "[memory]"
-        and e.get("args", {}).get("Device Type") == PROFILER_CPU_DEVICE_TYPE
-        and "Total Allocated" in e.get("args", {})
-    ]
-    return sorted(points)
+    memory = sorted(
+        (e for e in events
+         if e.get("name") == "[memory]"
+         and e.get("args", {}).get("Device Type") == PROFILER_CPU_DEVICE_TYPE
+         and "Total Allocated" in e.get("args", {})),
+        key=lambda e: e["ts"],
+    )
+    if not memory:
+        return []
+    # "Total Allocated" is a running total kept across profiling sessions of the process:
+    # count from the level just before the first event of this one.
+    first = memory[0]["args"]
+    level = int(first["Total Allocated"]) - int(first.get("Bytes", 0))
+    return [((e["ts"] - origin) / US_PER_MS, int(e["args"]["Total Allocated"]) - level) for e in memory]
 
 
 def _profile_operators(

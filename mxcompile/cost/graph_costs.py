@@ -15,8 +15,10 @@ Conventions
       as memory-bound: its cost is the bytes it reads and writes.
     * Aliasing ops (views, ``getitem``) move no data and cost nothing.
     * Workspace: scratch memory an op holds while it runs, beyond its output; counted for the
-      MX attention ops (their key-tiled CPU implementation keeps fp32 copies of the operands,
-      and the backward most of all), whose scratch is several times their output.
+      MX ops: the attention ops (their key-tiled CPU implementation keeps fp32 copies of the
+      operands, and the backward most of all: several times their output), ``mx_mm`` (its
+      operands dequantized to fp32; Inductor materializes them too) and the eager quantize
+      op (bounded by its slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`).
     * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
 """
 
@@ -29,10 +31,12 @@ import torch
 import torch.fx as fx
 
 from ..passes.graph_facts import concrete_int
+from ..ops import gemm_operand_dtype, quantize_scratch_bytes
 from .profiles import DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
 MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
+QUANTIZE_SCHEMA_NAME = "mxcompile::quantize"
 MX_GEMM_DTYPE = "fp8"  # mxcompile::mx_mm runs at the device's (MX)FP8 tensor-core rate
 
 _aten = torch.ops.aten
@@ -96,15 +100,24 @@ ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
 FP32_BYTES = 4
 
 
+def _numel(arg: Any) -> int:
+    value = _val(arg)
+    return 0 if value is None else value_bytes(value) // value.element_size()
+
+
 def workspace_bytes(node: fx.Node) -> int:
     """Scratch bytes ``node`` holds while it runs, beyond its output (see the conventions)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    entry = ATTENTION_WORKSPACE_QUERY_COPIES.get(schema.name) if schema is not None else None
-    if entry is None:
-        return 0
-    index, copies = entry
-    query = _val(node.args[index]) if index < len(node.args) else None
-    return 0 if query is None else copies * FP32_BYTES * value_bytes(query) // query.element_size()
+    name = schema.name if schema is not None else ""
+    if name == MX_MM_SCHEMA_NAME:
+        out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
+        return gemm_operand_dtype(out_dtype).itemsize * (_numel(node.args[0]) + _numel(node.args[2]))
+    if name == QUANTIZE_SCHEMA_NAME:
+        return quantize_scratch_bytes(_numel(node.args[0]))
+    if name in ATTENTION_WORKSPACE_QUERY_COPIES:
+        index, copies = ATTENTION_WORKSPACE_QUERY_COPIES[name]
+        return copies * FP32_BYTES * _numel(node.args[index])
+    return 0
 
 
 def _is_mx_mm(node: fx.Node) -> bool:

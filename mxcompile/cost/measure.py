@@ -70,7 +70,7 @@ def _status_bytes(field: str) -> int:
 
 
 def tensor_peak_bytes(step: Callable[[], None]) -> int:
-    """Peak bytes of CPU tensor storage that ``step()`` holds at once beyond the lowest level
+    """Peak bytes of CPU tensor storage that ``step()`` holds at once above the lowest level
     it starts from (torch.profiler's allocator events)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -81,12 +81,11 @@ def tensor_peak_bytes(step: Callable[[], None]) -> int:
     with tempfile.TemporaryDirectory(prefix="mxcompile-peak-") as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        totals = [allocated for _, allocated in memory_timeline(trace)]
-    if not totals:
-        return 0
-    # "Total Allocated" is the allocator's running total, including what was alive before the
-    # step; the step's own peak is measured from the lowest level reached before it (after
-    # the step dropped the previous gradients).
+        totals = [0] + [allocated for _, allocated in memory_timeline(trace)]
+    # Counted from the level before the step. The step may first free blocks it did not
+    # allocate (the previous gradients; reported only if allocated under a profiler): the
+    # peak is measured from the lowest level reached before it, as the planner's model
+    # starts a step with the gradients already dropped.
     peak_at = max(range(len(totals)), key=totals.__getitem__)
     return totals[peak_at] - min(totals[: peak_at + 1])
 

@@ -1,0 +1,280 @@
+"""Step factories for :func:`mxcompile.cost.measure.measure_step_peak`, and step timing in the
+same child process.
+
+A factory is named ``"mxcompile.cost.steps:<function>"``; called in the measuring child with
+JSON keyword arguments, it returns a zero-argument callable that runs one forward+backward,
+gradients set to None first (so they count in the step's peak):
+
+* :func:`torch_budget_step`: the model compiled with torch.compile's default backend
+  (Inductor), ``torch._functorch.config.activation_memory_budget`` set to the fraction;
+* :func:`mxfp8_budget_step`: the model compiled with ``backend="mxfp8"`` and
+  ``options={"memory_budget": fraction}``;
+* both take ``lower="eager"`` to skip Inductor code generation (same partitioners and
+  budgets, much faster to compile, slower and more memory-hungry steps): for smoke tests;
+* :func:`timed_step`: wraps any factory; compiles and warms it up, then times every further
+  step into a JSON file. :func:`measure_step` measures the peak and the step time (median)
+  in one child and returns both; :func:`time_step` times a step in the current process.
+
+Models (:data:`MODELS`): ``"gpt-tiny"`` and ``"gpt-small"`` (:func:`mxcompile.examples.gpt.gpt_factory`)
+and ``"llama-small"`` (a small randomly initialised HF ``LlamaForCausalLM``; needs
+``transformers``, a development dependency, not a runtime one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Mapping
+
+from ..examples._common import check_choice, check_positive_int
+
+MODELS = ("gpt-tiny", "gpt-small", "llama-small")
+LOWERINGS = ("inductor", "eager")
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEED = 0
+
+# llama-small: about gpt-small's size (4 layers, width 256, seq 128), every GEMM dimension a
+# multiple of 32 (MX block size), grouped-query attention (2 kv heads for 4 heads).
+LLAMA_SMALL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+LLAMA_SEQ = 128
+
+Step = Callable[[], None]
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name}={value!r} is not accepted; give a fraction in (0, 1] or None")
+
+
+def llama_small(*, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = DEFAULT_SEED) -> tuple[Any, Any]:
+    """A seeded small ``LlamaForCausalLM`` (random weights, nothing downloaded) and (batch, seq)
+    token ids. Raises ImportError naming ``pip install transformers`` when it is missing."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(
+            "model 'llama-small' needs Hugging Face transformers: pip install transformers "
+            "(or pip install -e '.[dev]')"
+        ) from err
+    import torch
+
+    from ..examples._common import seeded
+
+    config = transformers.LlamaConfig(**LLAMA_SMALL, attn_implementation="sdpa")
+    model = seeded(seed, lambda: transformers.LlamaForCausalLM(config))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch_size, LLAMA_SEQ), generator=generator)
+    return model, ids
+
+
+def _loss_module(model: Any) -> Any:
+    """``model`` (an HF causal LM) wrapped so that ``forward(ids)`` returns its training loss
+    (labels = ids): one module whose compiled graph is the whole loss, for the step and explain."""
+    import torch
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: Any) -> Any:
+            return self.inner(input_ids=ids, labels=ids).loss
+
+    return LossOf(model)
+
+
+def build_model(model: str, batch_size: int = DEFAULT_BATCH_SIZE) -> tuple[Any, tuple[Any, ...]]:
+    """``(module, args)`` for the model named ``model`` (one of :data:`MODELS`): a module whose
+    ``forward(*args)`` returns the scalar training loss (next-token loss, targets = the input
+    ids), so that one compiled graph covers the whole step and the memory planner plans all
+    that the step allocates. ``mxcompile.explain(module, *args, ...)`` traces exactly the
+    graph the step compiles."""
+    check_choice("model", model, MODELS)
+    check_positive_int("batch_size", batch_size)
+    if model.startswith("gpt-"):
+        from ..examples.gpt import LanguageModelLoss, gpt_factory
+
+        inner, (ids,) = gpt_factory(model.removeprefix("gpt-"), batch_size=batch_size, seed=DEFAULT_SEED)
+        return LanguageModelLoss(inner), (ids,)
+    inner, ids = llama_small(batch_size=batch_size)
+    return _loss_module(inner), (ids,)
+
+
+def _train_step(module: Any, compiled: Any, args: tuple[Any, ...]) -> Step:
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        compiled(*args).backward()
+
+    return step
+
+
+def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float | None = None,
+                      batch_size: int = DEFAULT_BATCH_SIZE, lower: str = "inductor") -> Step:
+    """One forward+backward of ``model`` compiled with the default backend (Inductor) and
+    ``torch._functorch.config.activation_memory_budget = activation_memory_budget`` (None
+    leaves torch's default, 1.0). Sets the global config: meant for a fresh child process.
+    ``lower="eager"`` uses ``aot_eager_decomp_partition`` instead (the same min-cut
+    partitioner and budget, no Inductor code generation: fast to compile, for smoke tests)."""
+    _check_fraction("activation_memory_budget", activation_memory_budget)
+    check_choice("lower", lower, LOWERINGS)
+    import torch
+    import torch._functorch.config as functorch_config
+
+    if activation_memory_budget is not None:
+        functorch_config.activation_memory_budget = float(activation_memory_budget)
+    module, args = build_model(model, batch_size)
+    backend = "inductor" if lower == "inductor" else "aot_eager_decomp_partition"
+    return _train_step(module, torch.compile(module, backend=backend), args)
+
+
+def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = None,
+                      batch_size: int = DEFAULT_BATCH_SIZE, lower: str = "inductor") -> Step:
+    """One forward+backward of ``model`` compiled with ``backend="mxfp8"`` and
+    ``options={"memory_budget": memory_budget}`` (None: no budget, no plan).
+    ``lower="eager"`` runs the same pipeline with eager lowering (no Inductor code
+    generation: fast to compile, for smoke tests)."""
+    _check_fraction("memory_budget", memory_budget)
+    check_choice("lower", lower, LOWERINGS)
+    import torch
+
+    from ..backend import compile_graph
+    from ..config import MXConfig
+    from ..lowering import eager_compiler
+
+    module, args = build_model(model, batch_size)
+    options = {} if memory_budget is None else {"memory_budget": float(memory_budget)}
+    if lower == "inductor":
+        compiled = torch.compile(module, backend="mxfp8", options=options)
+    else:
+        compiled = torch.compile(module, backend=functools.partial(
+            compile_graph, config=MXConfig.from_options(options), lower=eager_compiler))
+    return _train_step(module, compiled, args)
+
+
+def _resolve_name(factory: str) -> tuple[str, str]:
+    if not isinstance(factory, str) or ":" not in factory:
+        raise ValueError(f"factory={factory!r}: give 'package.module:function'")
+    module_name, _, function_name = factory.partition(":")
+    return module_name, function_name
+
+
+def _resolve(factory: str) -> Callable[..., Step]:
+    import importlib
+
+    module_name, function_name = _resolve_name(factory)
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def time_step(step: Step, *, warmup_steps: int = 1, time_steps: int = 5) -> dict[str, Any]:
+    """Run ``step`` ``warmup_steps`` times (the first compiles), then ``time_steps`` times;
+    returns ``{"first_s", "warmup_s", "median_s", "times_s"}`` (wall seconds)."""
+    check_positive_int("warmup_steps", warmup_steps)
+    check_positive_int("time_steps", time_steps)
+    started = time.perf_counter()
+    step()
+    first = time.perf_counter() - started
+    for _ in range(warmup_steps - 1):
+        step()
+    warm = time.perf_counter() - started
+    times = []
+    for _ in range(time_steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"first_s": first, "warmup_s": warm, "median_s": statistics.median(times), "times_s": times}
+
+
+def timed_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, *, timing_path: str,
+               warmup_steps: int = 1, max_timed: int | None = None) -> Step:
+    """A factory wrapping ``factory`` that times its steps in the same child.
+
+    Builds the step, runs it ``warmup_steps`` times (the first compiles; untimed), and returns
+    a step that appends the wall time of each of its first ``max_timed`` calls (all if None)
+    to the JSON at ``timing_path`` (``{"first_s", "warmup_s", "times_s"}``). Under
+    :func:`measure_step_peak` the timed calls are its warmup steps and the measured step (the
+    timing is a few ``perf_counter`` reads and a small file write after the step); later calls
+    (its profiled step, slowed by the profiler) are left untimed.
+    """
+    check_positive_int("warmup_steps", warmup_steps)
+    if max_timed is not None:
+        check_positive_int("max_timed", max_timed)
+    step = _resolve(factory)(**dict(factory_kwargs or {}))
+    started = time.perf_counter()
+    step()
+    timing: dict[str, Any] = {"first_s": time.perf_counter() - started}
+    for _ in range(warmup_steps - 1):
+        step()
+    timing.update(warmup_s=time.perf_counter() - started, times_s=[])
+
+    def write() -> None:
+        with open(timing_path, "w") as handle:
+            json.dump(timing, handle)
+
+    write()
+
+    def timed() -> None:
+        if max_timed is not None and len(timing["times_s"]) >= max_timed:
+            step()
+            return
+        t0 = time.perf_counter()
+        step()
+        timing["times_s"].append(time.perf_counter() - t0)
+        write()
+
+    return timed
+
+
+def measure_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, *, warmup_steps: int = 1,
+                 time_steps: int = 3, timeout_s: float | None = None) -> tuple[Any, dict[str, Any]]:
+    """Time and measure one step factory in one fresh process: ``(PeakMeasurement, timing)``.
+
+    The child builds the step and runs ``warmup_steps`` untimed steps (the first compiles);
+    then :func:`~mxcompile.cost.measure.measure_step_peak` runs ``time_steps`` more steps (its
+    warmup) and the measured one, all timed (any later step it runs, e.g. under the profiler
+    for the tensor-storage peak, is not). ``timing`` holds ``first_s`` (build excluded:
+    compile + first step), ``warmup_s``, ``times_s`` (``time_steps + 1`` values) and
+    ``median_s``. The steps run with the child's ``MALLOC_MMAP_THRESHOLD_`` (large buffers
+    mmapped and returned on free), so times compare between factories measured this way,
+    not with an ordinary process.
+    """
+    from .measure import DEFAULT_TIMEOUT_S, measure_step_peak
+
+    check_positive_int("time_steps", time_steps)
+    _resolve_name(factory)
+    handle, path = tempfile.mkstemp(prefix="mxcompile-step-timing-", suffix=".json")
+    os.close(handle)
+    try:
+        peak = measure_step_peak(
+            f"{__name__}:timed_step",
+            factory_kwargs={"factory": factory, "factory_kwargs": dict(factory_kwargs or {}), "timing_path": path,
+                            "warmup_steps": warmup_steps, "max_timed": time_steps + 1},
+            warmup_steps=time_steps,
+            timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+        )
+        with open(path) as stream:
+            timing = json.load(stream)
+    finally:
+        os.unlink(path)
+    timing["median_s"] = statistics.median(timing["times_s"])
+    return peak, timing
+
+
+__all__ = [
+    "LLAMA_SMALL",
+    "LOWERINGS",
+    "MODELS",
+    "build_model",
+    "llama_small",
+    "measure_step",
+    "mxfp8_budget_step",
+    "time_step",
+    "timed_step",
+    "torch_budget_step",
+]
