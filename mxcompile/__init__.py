@@ -10,8 +10,8 @@ from ._version import __version__
 from .backend import compile
 from .config import MXConfig
 from .explain import explain
-from .api import mx_matmul, quantize_mx
-from .numerics import MXTensor, dequantize_mx
+from .api import dequantize_mx, mx_matmul, quantize_mx
+from .numerics import MXTensor
 from .report import Report
 
 __all__ = [

@@ -22,14 +22,14 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
-from . import ops as _ops  # noqa: F401  (registers the mxcompile:: ops the passes insert)
 from .config import MXConfig
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
 from .passes import PassError, run_pipeline
-from .passes.graph_facts import GRAPH_INFO_KEY, GraphInfo, concrete_int
+from .passes.graph_facts import GraphInfo, concrete_int
 from .passes.memory_plan import plan_and_partition
+from .passes.meta_keys import GRAPH_INFO_KEY
 from .report import GraphSnapshot, Report
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]

@@ -1,7 +1,10 @@
 """Lowering of rewritten forward / backward / inference graphs.
 
 On CPU the mxcompile ops are decomposed into their pure-PyTorch definitions (so Inductor fuses
-quantization into its generated C++ loops) and the graph goes to Inductor's inner compiler.
+quantization into its generated C++ loops) and the graph goes to Inductor's inner compiler. On
+CUDA the ops whose CUDA kernel is a Triton one (`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque:
+Inductor runs them as fallback kernels, which dispatch to their `register_kernel("cuda")`
+implementation; the others are decomposed as on CPU.
 """
 
 from __future__ import annotations
@@ -16,12 +19,10 @@ from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .ops import (
-    DECOMPOSITIONS,
-    dequantize_for_inductor,
-    fake_quantize_for_inductor,
-    gemm_operand_dtype,
-)
+from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
+from .ops.mx_mm import MX_MM, gemm_operand_dtype
+from .ops.quantize import QUANTIZE, dequantize_for_inductor, fake_quantize_for_inductor
+from .passes.meta_keys import PLANNED_GRAPH_KEY
 
 MX_OPS = frozenset(DECOMPOSITIONS)
 
@@ -31,8 +32,6 @@ MX_OPS = frozenset(DECOMPOSITIONS)
 # Pointwise nodes with more ops than this, read more than once, are stored instead. Plain
 # casts and views stay fused.
 REALIZE_OPCOUNT_THRESHOLD = 50
-_QUANTIZE = torch.ops.mxcompile.quantize.default
-_MX_MM = torch.ops.mxcompile.mx_mm.default
 
 
 def _matmul(a, b, out_dtype):
@@ -44,7 +43,7 @@ def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
     if not all(isinstance(n, fx.Node) and n.target is operator.getitem for n in (data, scale)):
         return None
     producer = data.args[0]
-    if producer is scale.args[0] and producer.target is _QUANTIZE and (data.args[1], scale.args[1]) == (0, 1):
+    if producer is scale.args[0] and producer.target is QUANTIZE and (data.args[1], scale.args[1]) == (0, 1):
         return producer
     return None
 
@@ -58,7 +57,7 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
     """
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _MX_MM:
+        if node.op != "call_function" or node.target is not MX_MM:
             continue
         a, a_scale, b, b_scale, block_size, out_dtype = node.args
         operand_dtype = gemm_operand_dtype(out_dtype)
@@ -83,16 +82,20 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
     return count
 
 
-def has_mx_ops(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target in MX_OPS for n in gm.graph.nodes)
+def has_mx_ops(gm: fx.GraphModule, ops: frozenset = MX_OPS) -> bool:
+    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
 
 
-def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    """Retrace `gm`, replacing mxcompile ops by the aten ops of their definitions."""
-    if not has_mx_ops(gm):
+def decompose_mx_ops(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, opaque: frozenset = frozenset()
+) -> fx.GraphModule:
+    """Retrace `gm`, replacing mxcompile ops by the aten ops of their definitions; the ops in
+    `opaque` stay as they are (on CUDA: those with a Triton CUDA kernel)."""
+    if not has_mx_ops(gm, MX_OPS - opaque):
         return gm
-    lower_mx_gemms(gm)
-    table = {**select_decomp_table(), **DECOMPOSITIONS}
+    if MX_MM not in opaque:
+        lower_mx_gemms(gm)
+    table = {**select_decomp_table(), **{op: f for op, f in DECOMPOSITIONS.items() if op not in opaque}}
     trace = make_fx(fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="real")
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
@@ -101,27 +104,21 @@ def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         return trace(*example_inputs)
 
 
-PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
-
-
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 
 def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """CUDA graphs: MX ops on CUDA tensors become the Triton template ops (kept by Inductor as
-    triton_op kernels); what remains, and every CPU graph, is decomposed for Inductor."""
+    """CUDA graphs keep the ops of CUDA_KERNEL_OPS opaque (their CUDA kernels run the Triton
+    kernels); the other MX ops, and all of them in CPU graphs, are decomposed for Inductor."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    if _on_cuda(example_inputs):
-        from .triton_templates.ops import use_triton_kernels
-
-        use_triton_kernels(gm)
+    opaque = CUDA_KERNEL_OPS if _on_cuda(example_inputs) else frozenset()
     # A graph whose memory was planned keeps its planned order: Inductor's own peak-memory
     # reordering moves recomputation earlier than planned (measured on the tiny GPT at half the
     # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
     planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
-    gm = decompose_mx_ops(gm, example_inputs)
+    gm = decompose_mx_ops(gm, example_inputs, opaque=opaque)
     with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
                                reorder_for_peak_memory=not planned):
         return compile_fx_inner(gm, example_inputs)

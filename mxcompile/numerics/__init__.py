@@ -19,11 +19,16 @@ from .quantize import (
     dequantize_mx,
     mx_matmul,
     quantize_along,
-    quantize_last_axis,
     quantize_mx,
     split_blocks,
 )
-from .scales import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
+from .scales import (
+    bytes_from_e8m0,
+    e8m0_from_bytes,
+    inverse_scale_fp32_from_bytes,
+    scale_bytes_from_amax,
+    scale_fp32_from_bytes,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -35,14 +40,15 @@ __all__ = [
     "ElemFormat",
     "MXTensor",
     "ScaleMode",
+    "bytes_from_e8m0",
     "check_block_size",
     "dequantize_along",
     "dequantize_mx",
+    "e8m0_from_bytes",
     "elem_format",
     "inverse_scale_fp32_from_bytes",
     "mx_matmul",
     "quantize_along",
-    "quantize_last_axis",
     "quantize_mx",
     "scale_bytes_from_amax",
     "scale_fp32_from_bytes",

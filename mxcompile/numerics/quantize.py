@@ -18,7 +18,13 @@ from .formats import (
     elem_format,
     scale_mode,
 )
-from .scales import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
+from .scales import (
+    bytes_from_e8m0,
+    e8m0_from_bytes,
+    inverse_scale_fp32_from_bytes,
+    scale_bytes_from_amax,
+    scale_fp32_from_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class MXTensor:
     @property
     def scale_bytes(self) -> torch.Tensor:
         """The scales as uint8 biased exponents (the form used inside compiled graphs)."""
-        return self.scale.view(torch.uint8)
+        return bytes_from_e8m0(self.scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_mx(self, dtype)
@@ -126,16 +132,6 @@ def _quantize_blocks(
     return data, scale_bytes.to(torch.uint8).squeeze(axis + 1)
 
 
-def quantize_last_axis(
-    x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize along the last axis; return (fp8 data of x's shape, uint8 scale bytes).
-
-    Pure tensor code without validation: traceable and fusible by Inductor.
-    """
-    return _quantize_blocks(x, x.ndim - 1, fmt, mode, block_size)
-
-
 def quantize_along(
     x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +168,7 @@ def quantize_mx(
     data, scale_bytes = quantize_along(x, axis, fmt, mode, block_size)
     return MXTensor(
         data=data,
-        scale=scale_bytes.view(torch.float8_e8m0fnu),
+        scale=e8m0_from_bytes(scale_bytes),
         axis=axis,
         elem=fmt.name,
         block_size=block_size,
@@ -186,10 +182,7 @@ _scale_mode = scale_mode  # the argument name shadows the lookup inside quantize
 
 def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values an MXTensor represents, as `dtype`. Exact in fp32; blocks with scale 0xFF are NaN."""
-    if not isinstance(mx, MXTensor):
-        raise ValueError(f"mx must be an MXTensor, got {type(mx).__name__}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype} is not a floating-point dtype")
+    check_dequantizable(mx, dtype)
     return dequantize_along(mx.data, mx.scale_bytes, mx.axis, mx.block_size, dtype)
 
 
@@ -199,6 +192,21 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) 
     a has shape (..., M, K) quantized along K (its last axis); b has shape (..., K, N) quantized
     along K (its second-to-last axis). Leading (batch) dimensions broadcast as in torch.matmul.
     """
+    check_mx_matmul_operands(a, b)
+    product = torch.matmul(dequantize_mx(a, torch.float32), dequantize_mx(b, torch.float32))
+    return product.to(out_dtype)
+
+
+def check_dequantizable(mx: MXTensor, dtype: torch.dtype) -> None:
+    """Validate a dequantize call's MXTensor and output dtype."""
+    if not isinstance(mx, MXTensor):
+        raise ValueError(f"mx must be an MXTensor, got {type(mx).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating-point dtype")
+
+
+def check_mx_matmul_operands(a: MXTensor, b: MXTensor) -> None:
+    """Validate the operands of the MX GEMM a @ b (see `mx_matmul`)."""
     for name, operand, wanted in (("a", a, -1), ("b", b, -2)):
         if not isinstance(operand, MXTensor):
             raise ValueError(f"{name} must be an MXTensor, got {type(operand).__name__}")
@@ -216,5 +224,3 @@ def mx_matmul(a: MXTensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) 
         )
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"contraction lengths differ: a {tuple(a.shape)} and b {tuple(b.shape)}")
-    product = torch.matmul(dequantize_mx(a, torch.float32), dequantize_mx(b, torch.float32))
-    return product.to(out_dtype)

@@ -86,3 +86,26 @@ def inverse_scale_fp32_from_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
         b == E8M0_MAX_BYTE, _F32_BITS_TWO_POW_MINUS_127, inverse_biased << F32_MANTISSA_BITS
     )
     return torch.where(b == E8M0_NAN, float("nan"), bits.view(torch.float32))
+
+
+def e8m0_from_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 scale bytes as torch.float8_e8m0fnu, bit for bit.
+
+    Eager: a view. Inside torch.compile: a value conversion of 2**(b - 127) (exact: every byte
+    is a power of two or NaN), because Inductor's CPU code generation cannot view a tensor as
+    (or from) float8_e8m0fnu, whereas it compiles a conversion to it.
+    """
+    if torch.compiler.is_compiling():
+        return scale_fp32_from_bytes(scale_bytes).to(torch.float8_e8m0fnu)
+    return scale_bytes.view(torch.float8_e8m0fnu)
+
+
+def bytes_from_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """torch.float8_e8m0fnu scales as uint8 bytes, bit for bit (the inverse of
+    `e8m0_from_bytes`, with the same eager view / compiled conversion split). The fp32 value
+    2**(b - 127) has biased exponent field b for b >= 1; b = 0 is the subnormal 2**-127, whose
+    exponent field is 0 as well, and the NaN byte 0xFF gives an all-ones exponent field."""
+    if torch.compiler.is_compiling():
+        bits = scale.to(torch.float32).view(torch.int32)
+        return ((bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK).to(torch.uint8)
+    return scale.view(torch.uint8)

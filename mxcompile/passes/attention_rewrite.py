@@ -15,7 +15,7 @@ AOTAutograd with Inductor's decompositions turns F.scaled_dot_product_attention 
 float64); CUDA graphs carry the flash / efficient / cuDNN variants; an un-decomposed
 `scaled_dot_product_attention` can appear in inference graphs. The forward node is replaced
 by `mxcompile::attention` and its backward node by `mxcompile::attention_backward`
-(mxcompile/attention.py: key-tiled, online fp32 softmax, every GEMM MX along its own
+(mxcompile/ops/attention.py: key-tiled, online fp32 softmax, every GEMM MX along its own
 contraction axis). The pair is replaced together or not at all.
 
 eager softmax attention (`_eager_sites`): softmax(Q·Kᵀ·scale + mask)·V written op by op, as
@@ -37,7 +37,7 @@ GEMMs dQ and dK and keeps the value path O = P·V, dV and dP in high precision (
 form the MX attention op runs with its value-path GEMMs unquantized); "off" keeps everything
 as it is, with that reason recorded. Fused attention also stays aten's when dropout_p > 0,
 when head_dim, value head_dim, the key length or (for training) the query length is not a
-multiple of block_size, and for the other reasons `mxcompile.attention.check_attention_inputs`
+multiple of block_size, and for the other reasons `mxcompile.ops.attention_checks.check_attention_inputs`
 gives. This pass never raises on a graph it cannot handle: it records why and moves on.
 """
 
@@ -54,9 +54,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import attention as _attention  # noqa: F401  (registers mxcompile::attention ops)
-from ..attention import check_attention_inputs, default_key_tile
 from ..config import MXConfig
+from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
+from ..ops.attention_checks import check_attention_inputs
+from ..ops.attention_reference import default_key_tile
+from ..ops.mx_mm import MX_MM
+from ..ops.quantize import QUANTIZE
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -69,9 +72,9 @@ from .graph_facts import (
     shape_hint,
     tangent_placeholders,
 )
+from .meta_keys import CLAIMED_KEY
 
 NAME = "attention_rewrite"
-CLAIMED_KEY = "mxcompile_attention"  # node.meta key on GEMMs this pass decided on (value: role)
 KIND = "attention"
 
 aten = torch.ops.aten
@@ -322,11 +325,11 @@ def _layout_mismatch(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> s
     arguments = _op_arguments(site, config)
     fake_mode = graph_fake_mode(gm)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        out, lse = torch.ops.mxcompile.attention.default(*(fake_value(a) for a in arguments.forward))
+        out, lse = ATTENTION(*(fake_value(a) for a in arguments.forward))
         checks = [(site.forward, _forward_output(site), out)]
         if arguments.backward is not None:
             values = [out if a is _OUT else lse if a is _LSE else fake_value(a) for a in arguments.backward]
-            grads = torch.ops.mxcompile.attention_backward.default(*values)
+            grads = ATTENTION_BACKWARD(*values)
             items = _getitem_users(site.backward)
             checks += [(site.backward, items.get(i), grads[i]) for i in range(3) if i in items]
     for op_node, item, new in checks:
@@ -389,7 +392,7 @@ def _replace_fused(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> int
     number of nodes added."""
     arguments = _op_arguments(site, config)
     build = NodeBuilder(gm, site.forward)
-    new_fwd = build.call(torch.ops.mxcompile.attention.default, *arguments.forward)
+    new_fwd = build.call(ATTENTION, *arguments.forward)
     out = build.call(operator.getitem, new_fwd, 0)
     lse = build.call(operator.getitem, new_fwd, 1)
     added = len(build.added)
@@ -398,7 +401,7 @@ def _replace_fused(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> int
     if site.backward is not None:
         bbuild = NodeBuilder(gm, site.backward)
         values = [out if a is _OUT else lse if a is _LSE else a for a in arguments.backward]
-        new_bwd = bbuild.call(torch.ops.mxcompile.attention_backward.default, *values)
+        new_bwd = bbuild.call(ATTENTION_BACKWARD, *values)
         for index, item in _getitem_users(site.backward).items():
             if index < 3:
                 item.replace_all_uses_with(bbuild.call(operator.getitem, new_bwd, index))
@@ -622,11 +625,11 @@ def _convert_bmm(gm: fx.GraphModule, node: fx.Node, elems: tuple[str, str], conf
     build = NodeBuilder(gm, node)
     quantized = []
     for operand, axis, elem in ((node.args[0], 2, elems[0]), (node.args[1], 1, elems[1])):
-        q = build.call(torch.ops.mxcompile.quantize.default, operand, axis, elem,
+        q = build.call(QUANTIZE, operand, axis, elem,
                        config.scale_mode, config.block_size)
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
     out_dtype = fake_value(node).dtype
-    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, out_dtype)
+    result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
     return len(build.added)

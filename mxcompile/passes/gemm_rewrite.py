@@ -19,6 +19,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import MXConfig
 from ..distributed.shard_check import sharded_contraction_reason
+from ..ops.mx_mm import MX_MM
+from ..ops.quantize import QUANTIZE
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -31,6 +33,7 @@ from .graph_facts import (
     shape_hint,
     tangent_placeholders,
 )
+from .meta_keys import CLAIMED_KEY
 
 NAME = "gemm_rewrite"
 
@@ -143,10 +146,10 @@ def _rewrite(
         (pattern.lhs_arg, pattern.lhs_contraction_axis, elems[0]),
         (pattern.rhs_arg, pattern.rhs_contraction_axis, elems[1]),
     ):
-        q = build.call(torch.ops.mxcompile.quantize.default, node.args[arg_index], axis, elem,
+        q = build.call(QUANTIZE, node.args[arg_index], axis, elem,
                        config.scale_mode, config.block_size)
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
-    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, out_dtype)
+    result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
     if pattern.has_bias:
         alpha = node.kwargs.get("alpha", 1)
         beta = node.kwargs.get("beta", 1)
@@ -170,7 +173,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):
-        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" and "mxcompile_attention" not in node.meta else None  # attention_rewrite decided on claimed nodes
+        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" and CLAIMED_KEY not in node.meta else None  # attention_rewrite decided on claimed nodes
         if pattern is None:
             continue
         lhs_node, rhs_node = node.args[pattern.lhs_arg], node.args[pattern.rhs_arg]

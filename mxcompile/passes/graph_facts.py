@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
+
 from torch._guards import detect_fake_mode
 
-GRAPH_INFO_KEY = "mxcompile_graph_info"
+from .meta_keys import GRAPH_INFO_KEY
+
 
 # Dynamo roots module paths at the compiled callable: L['self'], L['fn'], or, when a module is
 # reached through a wrapper's positional arguments, L['args'][0].

@@ -30,11 +30,7 @@ the tiny GPT); copying the closures ourselves makes the graphs match the model.
 Recomputation replays the same deterministic ops on the same inputs, so gradients are
 bit-identical to the unplanned step (random ops are never recomputed, see the adapter).
 
-Offload on CUDA here is a plain ``.to("cpu", non_blocking=True)`` on the compute stream,
-into pageable memory: correct, but the copy is not overlapped with compute as the planner's
-model assumes (pinned buffers and a side stream are future work). On CPU the "host" is the
-same memory, so an offload is a real copy that saves nothing: it exists to exercise the
-mechanism.
+The offload / reload ops and what they cost today are in :mod:`mxcompile.ops.offload`.
 """
 
 from __future__ import annotations
@@ -48,13 +44,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..config import MXConfig
-from ..lowering import PLANNED_GRAPH_KEY
+from ..ops.offload import OFFLOAD, RELOAD
 from ..cost.profiles import PROFILES, DeviceProfile, measure_cpu_profile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
 from ..report import Report
+from .meta_keys import PLANNED_GRAPH_KEY
 
-HOST_DEVICE = torch.device("cpu")
 PLAN_SOLVER = "auto"  # the ILP for small graphs, the heuristic for large (see mxcompile.planner)
 PLAN_TIME_LIMIT_S = 5.0  # per ILP solve; the plan is part of compile time
 MAX_PLAN_ROUNDS = 4  # plan, partition, check the partition's peak; re-plan tighter if it overshot
@@ -63,31 +59,6 @@ CURVE_SOLVER = "heuristic"  # the curve is informative: the fast, monotone solve
 DEFAULT_GPU_PROFILE = "H100 SXM"  # for a CUDA device whose name matches no known profile
 
 Partitioner = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
-
-
-# --------------------------------------------------------------------------- offload ops
-
-
-@torch.library.custom_op("mxcompile::offload", mutates_args=())
-def offload_op(x: torch.Tensor) -> torch.Tensor:
-    """Copy a saved activation to host memory (a new tensor, even on CPU)."""
-    return x.to(HOST_DEVICE, copy=True, non_blocking=x.device.type != HOST_DEVICE.type)
-
-
-@offload_op.register_fake
-def _offload_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, device=HOST_DEVICE)
-
-
-@torch.library.custom_op("mxcompile::reload", mutates_args=())
-def reload_op(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy an offloaded activation back to ``device`` (a new tensor)."""
-    return x.to(device, copy=True)
-
-
-@reload_op.register_fake
-def _reload_fake(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_like(x, device=device)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -226,15 +197,15 @@ def insert_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: Sequence[str],
         value = node.meta["val"]
         last = max((u for u in node.users if u.op != "output"), key=order.__getitem__, default=node)
         with fw.graph.inserting_after(last):
-            moved = fw.graph.call_function(torch.ops.mxcompile.offload.default, (node,))
-        moved.meta["val"] = _fake_call(torch.ops.mxcompile.offload.default, value)
+            moved = fw.graph.call_function(OFFLOAD, (node,))
+        moved.meta["val"] = _fake_call(OFFLOAD, value)
         for i in positions:
             leaves[i] = moved
         users = [u for u in bw.graph.nodes if u in ph.users]
         if users:
             with bw.graph.inserting_before(users[0]):
-                back = bw.graph.call_function(torch.ops.mxcompile.reload.default, (ph, value.device))
-            back.meta["val"] = _fake_call(torch.ops.mxcompile.reload.default, moved.meta["val"], value.device)
+                back = bw.graph.call_function(RELOAD, (ph, value.device))
+            back.meta["val"] = _fake_call(RELOAD, moved.meta["val"], value.device)
             ph.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         ph.meta["val"] = moved.meta["val"]
         wrapped.append(name)

@@ -2,7 +2,7 @@
 
 (1) the tile-faithful torch reference `mx_attention_backward_reference` (same quantizations,
     numerics-core quantizer) and, where the query length is a multiple of 32, the CPU op's
-    backward `mxcompile.attention.attention_backward_impl` (the definition of the semantics):
+    backward `mxcompile.ops.attention_reference.attention_backward_impl` (the definition of the semantics):
     |g - ref| <= 1e-5 * max|ref| per gradient (measured <= 5e-7 * max|ref|: only the fp32
     summation order differs);
 (2) fp32 autograd of unquantized attention, after the MX forward kernel (which also writes the
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mx_testing import sqnr_db
-from mxcompile.attention import attention_backward_impl, attention_forward_impl
+from mxcompile.ops.attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
 from mxcompile.numerics import E4M3, ScaleMode, quantize_along
 from mxcompile.triton_templates import mx_attention_backward_triton, mx_attention_triton
 from mxcompile.triton_templates.attention import mx_attention_reference
@@ -61,10 +61,9 @@ def test_backward_matches_references(
     if s_q % 32 == 0:  # the CPU op's forward gives out and lse; its backward is the definition
         q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, do))
         fixed = (causal, scale, mode, "e4m3")
-        out, lse = attention_forward_impl(q4, k4, v4, None, *fixed, "rceil", 32, 32)
-        cpu = attention_backward_impl(
-            do4, q4, k4, v4, None, out, lse, *fixed, grad_elem, "rceil", 32, 32
-        )  # fmt: skip
+        options = AttentionOptions(*fixed, "rceil", 32, 32, grad_elem=grad_elem)
+        out, lse = attention_forward_impl(q4, k4, v4, None, options)
+        cpu = attention_backward_impl(do4, q4, k4, v4, None, out, lse, options)
         out, lse = out[0], lse[0]
     else:
         out, lse = _tensors((bh, s_q, d), (bh, s_q), seed=1)

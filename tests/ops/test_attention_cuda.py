@@ -1,5 +1,5 @@
 """The CUDA kernels of the MX attention ops (`attention_forward_cuda`, `attention_backward_cuda`
-in mxcompile/attention.py): the Triton kernels where they support the call, the torch
+in mxcompile/ops/attention.py): the Triton kernels where they support the call, the torch
 implementation otherwise.
 
 Numerics: called directly on CPU tensors under the interpreter, the Triton path equals the
@@ -22,14 +22,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mxcompile.triton_templates as triton_templates
-from mxcompile.attention import (
-    attention_backward_cuda,
-    attention_forward_cuda,
-    sequence_major,
-    triton_attention_unsupported,
-)
+from mxcompile.ops.attention import attention_backward_cuda, attention_forward_cuda, sequence_major
+from mxcompile.ops.attention_checks import triton_attention_unsupported
 
 REL = 1e-5
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # the Triton path on the CPU
 
 
 def _tensors(heads=2, kv_heads=2, q_len=64, k_len=64, width=32, dtype=torch.float32, seed=0):
@@ -59,7 +57,7 @@ def test_forward_triton_path_equals_the_cpu_op(causal, sequence_major_inputs, ke
     if sequence_major_inputs:
         q, k, v = (sequence_major(t) for t in (q, k, v))
     args = _forward(q, k, v, None, causal, key_tile=key_tile)
-    assert triton_attention_unsupported(q, k, v, None, causal, "both", "e4m3", "rceil", 32) is None
+    assert triton_attention_unsupported(q, k, v, None, causal, "both", "e4m3", 32) is None
     out, lse = attention_forward_cuda(*args)
     ref_out, ref_lse = torch.ops.mxcompile.attention(*args)
     assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
@@ -94,7 +92,7 @@ def test_backward_triton_path_equals_the_cpu_op(causal, mode, grad_elem):
     options = forward[4:8]
     args = (do, q, k, v, None, out, lse, *options, grad_elem, "rceil", 32, 32)
     assert triton_attention_unsupported(
-        q, k, v, None, causal, mode, "e4m3", "rceil", 32, grad_elem=grad_elem, backward_tensors=(do, out, lse)
+        q, k, v, None, causal, mode, "e4m3", 32, grad_elem=grad_elem, backward_tensors=(do, out, lse)
     ) is None
     grads = attention_backward_cuda(*args)
     refs = torch.ops.mxcompile.attention_backward(*args)
@@ -130,7 +128,7 @@ def test_unsupported_calls_fall_back_to_the_torch_implementation(monkeypatch, ca
     mask = torch.rand(64, k_len, generator=torch.Generator().manual_seed(0)) > 0.3 if case == "mask" else None
     mode = "qk_only" if case == "qk_only" else "both"
     causal = case.startswith("causal")
-    why = triton_attention_unsupported(q, k, v, mask, causal, mode, "e4m3", "rceil", 32)
+    why = triton_attention_unsupported(q, k, v, mask, causal, mode, "e4m3", 32)
     assert why is not None and reason in why
     args = _forward(q, k, v, mask, causal, mode=mode)
     out, lse = attention_forward_cuda(*args)
@@ -153,7 +151,7 @@ def test_selection_on_fake_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None
         lse = torch.empty(2, 4, 128, device="cuda")
 
     def why(*tensors, mask=None, causal=True, mode="both", **kwargs):
-        return triton_attention_unsupported(*tensors, mask, causal, mode, "e4m3", "rceil", 32,
+        return triton_attention_unsupported(*tensors, mask, causal, mode, "e4m3", 32,
                                             check_device=False, **kwargs)
 
     # Plain causal or full attention: the Triton kernels, forward and backward (any mode).
@@ -165,7 +163,7 @@ def test_selection_on_fake_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None
     assert "mode='off'" in why(q, k, v, mode="off")
     # Checked against the device too: without a GPU, triton_available says why not.
     if not torch.cuda.is_available():
-        reason = triton_attention_unsupported(q, k, v, None, True, "both", "e4m3", "rceil", 32)
+        reason = triton_attention_unsupported(q, k, v, None, True, "both", "e4m3", 32)
         assert "CUDA" in reason
     # The kernels are registered for CUDA, so eager calls and Inductor's fallback kernels reach them.
     for name in ("mxcompile::attention", "mxcompile::attention_backward"):

@@ -1,4 +1,4 @@
-"""The CPU MX attention ops (mxcompile/attention.py) on their own: exactness of the tiling and
+"""The CPU MX attention ops (mxcompile/ops/attention.py, attention_reference.py) on their own: exactness of the tiling and
 online softmax (mode "off" against torch's SDPA), agreement with a materialized reference
 written from the spec, accuracy of MXFP8 against fp32, tile-size independence, memory growth,
 and the registered fake / autograd implementations. No torch.compile here: these run in
@@ -24,12 +24,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mx_testing import fake_quantize, sqnr_db
-from mxcompile.attention import (
-    attention_backward_impl,
-    attention_forward_impl,
-    mx_attention,
-    sequence_major,
-)
+from mxcompile.attention import mx_attention
+from mxcompile.ops.attention import sequence_major
+from mxcompile.ops.attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
 
 B, HQ, T, D = 2, 4, 256, 64
 OUT_SQNR_DB, GRAD_SQNR_DB = 25.0, 20.0
@@ -228,8 +225,9 @@ def test_impls_create_working_tensors_on_the_inputs_device(case):
     is_causal = case == "causal"
     args = (is_causal, 0.2, "both", "e4m3")
     with _OnlyDevice("meta") as mode:
-        out, lse = attention_forward_impl(q, k, v, mask, *args, "rceil", 32, 32)
-        grads = attention_backward_impl(do, q, k, v, mask, out, lse, *args, "e4m3", "rceil", 32, 32)
+        options = AttentionOptions(*args, "rceil", 32, 32, grad_elem="e4m3")
+        out, lse = attention_forward_impl(q, k, v, mask, options)
+        grads = attention_backward_impl(do, q, k, v, mask, out, lse, options)
     assert mode.elsewhere == []
     assert [t.device.type for t in (out, lse, *grads)] == ["meta"] * 5
 
@@ -238,10 +236,11 @@ def test_working_memory_grows_with_sequence_length_not_its_square(is_causal):
     seq, width, tile = 1024, 32, 64
     q, k, v, do = _qkv(0, batch=1, heads=2, kv_heads=2, q_len=seq, k_len=seq, width=width)
     args = (is_causal, 1 / math.sqrt(width), "both", "e4m3")
+    options = AttentionOptions(*args, "rceil", 32, tile, grad_elem="e4m3")
     with _LargestAllocation() as forward:
-        out, lse = attention_forward_impl(q, k, v, None, *args, "rceil", 32, tile)
+        out, lse = attention_forward_impl(q, k, v, None, options)
     with _LargestAllocation() as backward:
-        attention_backward_impl(do, q, k, v, None, out, lse, *args, "e4m3", "rceil", 32, tile)
+        attention_backward_impl(do, q, k, v, None, out, lse, options)
     per_row = 2 * seq  # batch * heads rows of queries
     assert forward.largest <= per_row * max(tile, width)
     assert backward.largest <= per_row * max(tile, width)

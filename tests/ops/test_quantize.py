@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxcompile import ops
+from mxcompile.ops.quantize import fake_quantize_for_inductor, quantize_for_inductor
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
 
 # opcheck's schema test compares inputs bitwise with an op that fp8 tensors lack in torch 2.13
@@ -36,8 +36,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
     x = _special_data().to(dtype)
-    compiled = torch.compile(ops.quantize_for_inductor, dynamic=False)
-    fake_quantize = torch.compile(ops.fake_quantize_for_inductor, dynamic=False)
+    compiled = torch.compile(quantize_for_inductor, dynamic=False)
+    fake_quantize = torch.compile(fake_quantize_for_inductor, dynamic=False)
     for mode in ScaleMode:
         for axis in (0, 1):
             want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], mode, 32)

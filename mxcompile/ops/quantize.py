@@ -1,20 +1,27 @@
-"""torch.library custom ops for MX quantize, dequantize and GEMM, with fake implementations.
+"""The MX quantize / dequantize ops: `mxcompile::quantize`, `mxcompile::dequantize` and the
+per-block helper `mxcompile::block_scales`.
 
-The graph passes insert these ops into the joint graph, where they stay visible (to the
-partitioner, the report and `mxcompile inspect`). Before Inductor compiles a graph, the backend
-decomposes them into their pure-PyTorch definitions (`DECOMPOSITIONS`) so that Inductor fuses
-quantization into its generated loops. Scales are uint8 biased exponents here: Inductor's CPU
-code generation cannot handle torch.float8_e8m0fnu.
+    mxcompile::quantize(x, axis, elem, scale_mode, block_size) -> (fp8 data, uint8 scale bytes)
+    mxcompile::dequantize(data, scale, axis, block_size, dtype) -> dtype tensor
+
+Each op has its torch reference (the numerics core, `mxcompile.numerics`), its fake, and, for
+quantize, a CUDA kernel registered with `register_kernel("cuda")`: the Triton quantize kernel
+of `mxcompile.triton_templates` where it supports the call, the torch reference otherwise.
+Eager calls and Inductor's fallback kernels reach that CUDA kernel alike, so the lowering keeps
+the op opaque on CUDA. On CPU the backend decomposes the ops into their Inductor forms
+(`quantize_for_inductor` etc., `DECOMPOSITIONS`) so that Inductor fuses quantization into its
+generated loops. Scales are uint8 biased exponents here: Inductor's CPU code generation cannot
+view tensors as torch.float8_e8m0fnu (the public API converts at its edge,
+`numerics.e8m0_from_bytes`).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
+import logging
 
 import torch
 
-from .numerics import (
+from ..numerics import (
     E8M0_NAN,
     dequantize_along,
     elem_format,
@@ -22,23 +29,12 @@ from .numerics import (
     quantize_along,
     scale_bytes_from_amax,
     scale_fp32_from_bytes,
-    scale_mode,
     split_blocks,
 )
-from .numerics.rounding import fake_quantize_blocks, quantize_blocks
+from ..numerics import scale_mode as scale_mode_named  # the ops' argument name shadows it
+from ..numerics.rounding import fake_quantize_blocks, quantize_blocks
 
-
-
-def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the MX GEMM dequantizes its operands to before multiplying (fp32 accumulation).
-
-    bf16 for low-precision outputs: exact for every FP8 value times a power-of-two scale unless
-    the product underflows bf16's subnormal range (scale byte < 3 for e4m3, < 10 for e5m2), and
-    about 2x faster than fp32 on CPUs with AVX512-BF16. fp32 outputs get fp32 operands, so that
-    the output carries no extra bf16 rounding.
-    """
-    return torch.float32 if out_dtype == torch.float32 else torch.bfloat16
-
+_log = logging.getLogger(__name__)
 
 # The eager quantize op rounds slices of about this many elements at a time: its scratch
 # (fp32 temporaries of the rounding) stays bounded instead of growing with the tensor. Scratch
@@ -46,6 +42,8 @@ def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
 # of 64 to 4M elements: 8.3-9.3 bytes (rounded up below); Inductor fuses the decomposed op.
 QUANTIZE_SLICE_ELEMENTS = 2**16
 QUANTIZE_SCRATCH_BYTES_PER_ELEMENT = 10
+# E8M0 has 256 codes: the per-block scale and inverse scale are looked up by scale byte.
+_E8M0_CODES = 256
 
 
 def quantize_scratch_bytes(numel: int) -> int:
@@ -56,27 +54,7 @@ def quantize_scratch_bytes(numel: int) -> int:
 def _quantize(
     x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode(mode), block_size)
-
-
-def _dequantize(
-    data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return dequantize_along(data, scale, axis % data.ndim, block_size, dtype)
-
-
-def _mx_mm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    block_size: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    operand_dtype = gemm_operand_dtype(out_dtype)
-    a_hp = dequantize_along(a, a_scale, a.ndim - 1, block_size, operand_dtype)
-    b_hp = dequantize_along(b, b_scale, b.ndim - 2, block_size, operand_dtype)
-    return torch.matmul(a_hp, b_hp).to(out_dtype)
+    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(mode), block_size)
 
 
 @torch.library.custom_op("mxcompile::quantize", mutates_args=())
@@ -88,11 +66,15 @@ def quantize_op(
     The data keeps x's memory layout (that of `torch.empty_like(x)`), so that the transposed
     weight of a linear layer is quantized in its own memory order; the scales are contiguous.
     """
+    return quantize_reference(x, axis, elem, scale_mode, block_size)
+
+
+def quantize_reference(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch implementation of `mxcompile::quantize` (the numerics core, in slices)."""
     axis = axis % x.ndim
-    out = torch.empty_like(x, dtype=elem_format(elem).dtype)
-    scale_shape = list(x.shape)
-    scale_shape[axis] //= block_size
-    scale = x.new_empty(scale_shape, dtype=torch.uint8)
+    out, scale = _quantize_fake(x, axis, elem, scale_mode, block_size)
     # Slices across the blocks (each block lies in one slice), so that the fp32 temporaries of
     # the rounding are bounded by one slice (see QUANTIZE_SLICE_ELEMENTS).
     dim = next((d for d in range(x.ndim) if d != axis and x.shape[d] > 1), None)
@@ -120,36 +102,80 @@ def _quantize_fake(x, axis, elem, scale_mode, block_size):
     )
 
 
+def triton_quantize_unsupported(x: torch.Tensor, elem: str, block_size: int) -> str | None:
+    """Why the Triton quantize kernel cannot run this call of `mxcompile::quantize`, or None."""
+    from ..triton_templates import triton_available
+
+    ok, why = triton_available(x.device, elem=elem, block_size=block_size)
+    return None if ok else why
+
+
+def _in_layout(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t in the memory layout the fake implementation gives (that of `like`)."""
+    if t.stride() == like.stride():
+        return t
+    return like.copy_(t)
+
+
+def quantize_with_triton(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX-quantize x along axis with the Triton kernel (contiguous outputs): the last axis and
+    axis 0 of a 2-D tensor directly, any other axis moved last (a copy) and back."""
+    from ..triton_templates import _interpreting
+    from ..triton_templates.quantize import quantize_launch
+
+    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
+    axis = axis % x.ndim
+    if axis == x.ndim - 1 or (x.ndim == 2 and axis == 0):
+        rowwise = axis == x.ndim - 1
+        x2 = x.reshape(-1, x.shape[-1]) if rowwise else x
+        row_d, row_s, col_d, col_s = quantize_launch(
+            x2, rowwise=rowwise, colwise=not rowwise, fmt=fmt, mode=mode,
+            block_size=block_size, interpret=_interpreting(),
+        )  # fmt: skip
+        if rowwise:
+            scale_shape = (*x.shape[:-1], x.shape[-1] // block_size)
+            return row_d.reshape(x.shape), row_s.reshape(scale_shape)
+        return col_d, col_s
+    moved = x.movedim(axis, -1).contiguous()
+    row_d, row_s, _, _ = quantize_launch(
+        moved.reshape(-1, moved.shape[-1]), rowwise=True, colwise=False, fmt=fmt, mode=mode,
+        block_size=block_size, interpret=_interpreting(),
+    )  # fmt: skip
+    data = row_d.reshape(moved.shape).movedim(-1, axis).contiguous()
+    scale = row_s.reshape(*moved.shape[:-1], -1).movedim(-1, axis).contiguous()
+    return data, scale
+
+
+@quantize_op.register_kernel("cuda")
+def quantize_cuda(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mxcompile::quantize` on CUDA: the Triton kernel when `triton_quantize_unsupported`
+    says it can run, the torch reference otherwise (logged at DEBUG level with the reason). The
+    outputs have the fake implementation's layouts. Also callable on CPU tensors under
+    TRITON_INTERPRET=1 (the tests)."""
+    reason = triton_quantize_unsupported(x, elem, block_size)
+    if reason is not None:
+        _log.debug("mxcompile::quantize: torch reference, not the Triton kernel: %s", reason)
+        return quantize_reference(x, axis, elem, scale_mode, block_size)
+    data, scale = quantize_with_triton(x, axis, elem, scale_mode, block_size)
+    out, _ = _quantize_fake(x, axis, elem, scale_mode, block_size)
+    return _in_layout(out, data), scale
+
+
 @torch.library.custom_op("mxcompile::dequantize", mutates_args=())
 def dequantize_op(
     data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """data * 2**(scale - 127) along axis, as dtype."""
-    return _dequantize(data, scale, axis, block_size, dtype).contiguous()
+    """data * 2**(scale - 127) along axis, as dtype (scale: uint8 bytes)."""
+    return dequantize_along(data, scale, axis % data.ndim, block_size, dtype).contiguous()
 
 
 @dequantize_op.register_fake
 def _dequantize_fake(data, scale, axis, block_size, dtype):
     return data.new_empty(data.shape, dtype=dtype)
-
-
-@torch.library.custom_op("mxcompile::mx_mm", mutates_args=())
-def mx_mm_op(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    block_size: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """MX GEMM: a (..., M, K) quantized along K times b (..., K, N) quantized along K."""
-    return _mx_mm(a, a_scale, b, b_scale, block_size, out_dtype).contiguous()
-
-
-@mx_mm_op.register_fake
-def _mx_mm_fake(a, a_scale, b, b_scale, block_size, out_dtype):
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    return a.new_empty((*batch, a.shape[-2], b.shape[-1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("mxcompile::block_scales", mutates_args=())
@@ -160,31 +186,22 @@ def block_scales_op(
 
     An op of its own in Inductor graphs on purpose: it runs once per block (1/32 of the
     elements), whereas inlined into the fused element loop its int/float bitcasts would run,
-    unvectorized, once per element.
+    unvectorized, once per element. Eager, and without an internal compile (which would
+    recompile for every new shape): the scale and its inverse are looked up by scale byte
+    in 256-entry tables, two gathers instead of two chains of integer ops.
     """
-    return _compiled_block_scales()(amax, elem, scale_mode)
-
-
-def _block_scales(amax: torch.Tensor, elem: str, mode: str):
-    scale_bytes = scale_bytes_from_amax(amax, elem_format(elem), _scale_mode(mode))
-    return (scale_bytes.to(torch.uint8), scale_fp32_from_bytes(scale_bytes),
-            inverse_scale_fp32_from_bytes(scale_bytes))
-
-
-@functools.cache
-def _compiled_block_scales() -> Callable:
-    """_block_scales compiled once per process: a dozen small eager ops cost more than the
-    fused quantization loop they feed (each is a parallel region of its own)."""
-    return torch.compile(_block_scales, dynamic=True, fullgraph=True)
+    scale_bytes = scale_bytes_from_amax(amax, elem_format(elem), scale_mode_named(scale_mode))
+    codes = torch.arange(_E8M0_CODES, dtype=torch.int32, device=amax.device)
+    index = scale_bytes.reshape(-1)
+    scale = scale_fp32_from_bytes(codes)[index].reshape(amax.shape)
+    inverse = inverse_scale_fp32_from_bytes(codes)[index].reshape(amax.shape)
+    return scale_bytes.to(torch.uint8), scale, inverse
 
 
 @block_scales_op.register_fake
 def _block_scales_fake(amax, elem, scale_mode):
     return (torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax),
             torch.empty_like(amax))
-
-
-_scale_mode = scale_mode
 
 
 def _is_transposed_contiguous(x: torch.Tensor) -> bool:
@@ -201,15 +218,15 @@ def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, mode: str, block_s
     (bytes, scale, inverse scale) from the per-block op."""
     blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    return blocks, torch.ops.mxcompile.block_scales(amax, elem, mode)
+    return blocks, block_scales_op(amax, elem, mode)
 
 
 def quantize_for_inductor(
     x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
-    (tests/test_ops.py), vectorizable element loops (`numerics.rounding`), no transposition
-    of a transposed-contiguous input."""
+    (tests/ops/test_quantize.py), vectorizable element loops (`numerics.rounding`), no
+    transposition of a transposed-contiguous input."""
     axis %= x.ndim
     if _is_transposed_contiguous(x):
         data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, mode, block_size)
@@ -248,10 +265,14 @@ def dequantize_for_inductor(
     return dequantize_along(data, scale, axis, block_size, dtype)
 
 
-# Definitions of the ops for Inductor, used to decompose them before Inductor lowers a graph
+# The overloads the graph passes insert.
+QUANTIZE = torch.ops.mxcompile.quantize.default
+DEQUANTIZE = torch.ops.mxcompile.dequantize.default
+BLOCK_SCALES = torch.ops.mxcompile.block_scales.default
+
+# The ops' definitions for Inductor, used to decompose them before Inductor lowers a graph
 # (mxcompile::block_scales stays an op: see its docstring).
 DECOMPOSITIONS: dict = {
-    torch.ops.mxcompile.quantize.default: quantize_for_inductor,
-    torch.ops.mxcompile.dequantize.default: lambda *a: dequantize_for_inductor(*a).contiguous(),
-    torch.ops.mxcompile.mx_mm.default: lambda *a: _mx_mm(*a).contiguous(),
+    QUANTIZE: quantize_for_inductor,
+    DEQUANTIZE: lambda *a: dequantize_for_inductor(*a).contiguous(),
 }

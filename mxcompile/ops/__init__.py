@@ -1,0 +1,45 @@
+"""Every `torch.library` op of mxcompile, one module per op family:
+
+    quantize   mxcompile::quantize, mxcompile::dequantize, mxcompile::block_scales
+    mx_mm      mxcompile::mx_mm
+    attention  mxcompile::attention, mxcompile::attention_backward
+               (reference: attention_reference; eligibility: attention_checks)
+    offload    mxcompile::offload, mxcompile::reload
+
+Each module holds the op's schema, its torch reference (built on `mxcompile.numerics`), its
+fake, its autograd where it has one, and its CUDA kernel, registered with
+`register_kernel("cuda")` (the Triton launchers of `mxcompile.triton_templates`, with the torch
+reference as the fallback). The module constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the
+overloads the graph passes insert; passes import them from here. `DECOMPOSITIONS` holds the
+Inductor forms the CPU lowering decomposes the ops into; `CUDA_KERNEL_OPS` the ops the CUDA
+lowering keeps opaque because their CUDA kernel is a Triton one.
+"""
+
+from __future__ import annotations
+
+from . import attention, offload
+from .mx_mm import MX_MM, gemm_operand_dtype
+from .mx_mm import DECOMPOSITIONS as _MX_MM_DECOMPOSITIONS
+from .quantize import (
+    DEQUANTIZE,
+    QUANTIZE,
+    QUANTIZE_SLICE_ELEMENTS,
+    quantize_scratch_bytes,
+)
+from .quantize import DECOMPOSITIONS as _QUANTIZE_DECOMPOSITIONS
+
+DECOMPOSITIONS: dict = {**_QUANTIZE_DECOMPOSITIONS, **_MX_MM_DECOMPOSITIONS}
+CUDA_KERNEL_OPS = frozenset({QUANTIZE, MX_MM})
+
+__all__ = [
+    "CUDA_KERNEL_OPS",
+    "DECOMPOSITIONS",
+    "DEQUANTIZE",
+    "MX_MM",
+    "QUANTIZE",
+    "QUANTIZE_SLICE_ELEMENTS",
+    "attention",
+    "gemm_operand_dtype",
+    "offload",
+    "quantize_scratch_bytes",
+]

@@ -1,0 +1,232 @@
+"""The MX attention ops: `mxcompile::attention` (forward) and `mxcompile::attention_backward`.
+
+    mxcompile::attention(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode,
+                         block_size, key_tile) -> (out, logsumexp)
+    mxcompile::attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
+                                  forward_elem, grad_elem, scale_mode, block_size, key_tile)
+                                  -> (dq, dk, dv)
+
+Semantics and the torch reference: `mxcompile.ops.attention_reference` (key-tiled, online
+fp32 softmax, every GEMM MX along its own contraction axis). This module holds the schemas,
+the fakes (the output layouts below), the autograd of the forward op (written once, also used
+by the public `mxcompile.attention.mx_attention`), and the CUDA kernels.
+
+Output layouts. The ops return the layouts of aten's CPU flash attention (its meta functions):
+the output laid out like the query, the logsumexp and the gradients in (B, T, H, ...) memory
+order. Their fake implementations say the same, so the nodes after a replaced aten op, traced
+against its strides, stay valid; the rewrite checks this before replacing anything.
+
+Lowering: opaque. The ops stay one node each through partitioning and Inductor (which runs
+them as fallback kernels); `mxcompile.lowering` does not decompose them. Tracing the tile loop
+into the graph would unroll Tk/key_tile iterations of ~40 ops each, so Inductor's compile time
+and graph size would grow with the sequence length (and every new length would recompile
+another unrolled loop), and its scheduler would be free to fuse across tiles, so the memory
+bound would no longer hold by construction. The price is that quantization inside a tile runs
+as unfused eager PyTorch ops.
+
+CUDA. Both ops have a CUDA kernel (`attention_forward_cuda`, `attention_backward_cuda`,
+registered with `register_kernel("cuda")`, so eager calls and Inductor's fallback kernels reach
+it alike) that runs the Triton kernels of `mxcompile.triton_templates` (`mx_attention_triton`,
+`mx_attention_backward_triton`) when they support the call, and the torch implementation
+otherwise; `triton_attention_unsupported` (`mxcompile.ops.attention_checks`) says why not. The
+Triton forward computes the same algorithm (base-2 online softmax with an integer running
+maximum, P quantized per key tile), so it is tile-size independent like the torch one: key_tile
+only sets the torch implementation's tiles. Both agree with the torch implementation up to
+fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..numerics import elem_format, quantize_along
+from ..numerics import scale_mode as scale_mode_named
+from .attention_checks import triton_attention_unsupported
+from .attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
+
+_log = logging.getLogger(__name__)
+
+
+def sequence_major(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, ...) with (B, T, H, ...) memory order."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _empty_sequence_major(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    batch, heads, seq, *rest = shape
+    return like.new_empty((batch, seq, heads, *rest), dtype=dtype).transpose(1, 2)
+
+
+def _empty_output(q: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention output's buffer: laid out like q (as aten's CPU flash attention does) when
+    it has q's shape, contiguous otherwise."""
+    if width == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:-1], width))
+
+
+@torch.library.custom_op("mxcompile::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    mode: str,
+    forward_elem: str,
+    scale_mode: str,
+    block_size: int,
+    key_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX attention forward: (output, logsumexp). See mxcompile.ops.attention_reference."""
+    options = AttentionOptions.from_forward_args(is_causal, scale, mode, forward_elem, scale_mode, block_size,
+                                                 key_tile)
+    return _attention_forward_torch(q, k, v, attn_mask, options)
+
+
+def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
+    """The op's outputs, in its layouts, from the torch implementation."""
+    out, lse = attention_forward_impl(q, k, v, attn_mask, options)
+    return _empty_output(q, out.shape[-1]).copy_(out), sequence_major(lse)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile):
+    batch, heads, q_len, _ = q.shape
+    return (
+        _empty_output(q, v.shape[-1]),
+        _empty_sequence_major(q, (batch, heads, q_len), torch.float32),
+    )
+
+
+@torch.library.custom_op("mxcompile::attention_backward", mutates_args=())
+def attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    mode: str,
+    forward_elem: str,
+    grad_elem: str,
+    scale_mode: str,
+    block_size: int,
+    key_tile: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MX attention backward: (dq, dk, dv), sequence-major. See mxcompile.ops.attention_reference."""
+    options = AttentionOptions.from_backward_args(is_causal, scale, mode, forward_elem, grad_elem, scale_mode,
+                                                  block_size, key_tile)
+    return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options)
+
+
+def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: AttentionOptions):
+    """The op's outputs, in its layouts, from the torch implementation."""
+    grads = attention_backward_impl(grad_out, q, k, v, attn_mask, out, lse, options)
+    return tuple(sequence_major(g) for g in grads)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
+                             forward_elem, grad_elem, scale_mode, block_size, key_tile):
+    return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
+
+
+@attention_op.register_kernel("cuda")
+def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size,
+                           key_tile):
+    """`mxcompile::attention` on CUDA: the Triton forward kernel when
+    `triton_attention_unsupported` says it can run (no mask, equal head counts, mode "both",
+    block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
+    otherwise (logged at DEBUG level with the reason). Q and K are quantized along head_dim and
+    V along the keys with the numerics core (`quantize_along`), then the kernel quantizes P per
+    key tile in the same format and scale mode. The outputs have the op's layouts (the fake
+    implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
+    on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+    options = AttentionOptions.from_forward_args(is_causal, scale, mode, forward_elem, scale_mode, block_size,
+                                                 key_tile)
+    reason = triton_attention_unsupported(q, k, v, attn_mask, is_causal, mode, forward_elem, block_size)
+    if reason is not None:
+        _log.debug("mxcompile::attention: torch implementation, not the Triton kernel: %s", reason)
+        return _attention_forward_torch(q, k, v, attn_mask, options)
+    from ..triton_templates import mx_attention_triton
+
+    fmt, rule = elem_format(forward_elem), scale_mode_named(scale_mode)
+    q_data, q_scale = quantize_along(q, 3, fmt, rule, block_size)  # along head_dim
+    k_data, k_scale = quantize_along(k, 3, fmt, rule, block_size)
+    v_data, v_scale = quantize_along(v, 2, fmt, rule, block_size)  # along the keys
+    out, lse = mx_attention_triton(
+        q_data, q_scale, k_data, k_scale, v_data, v_scale, sm_scale=scale, causal=is_causal,
+        block_size=block_size, out_dtype=q.dtype, p_elem=forward_elem, p_scale_mode=scale_mode,
+        return_lse=True,
+    )
+    return _empty_output(q, out.shape[-1]).copy_(out), sequence_major(lse)
+
+
+@attention_backward_op.register_kernel("cuda")
+def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem,
+                            grad_elem, scale_mode, block_size, key_tile):
+    """`mxcompile::attention_backward` on CUDA: the Triton backward kernels (delta, dK/dV per
+    key tile, dQ per query tile; every mode) when `triton_attention_unsupported` says they can
+    run, the torch implementation otherwise (logged at DEBUG level with the reason). The
+    logsumexp may come from either forward path: both give the natural-log row logsumexp. The
+    gradients are sequence-major, as the fake implementation says. Also callable on CPU tensors
+    under TRITON_INTERPRET=1 (the tests)."""
+    options = AttentionOptions.from_backward_args(is_causal, scale, mode, forward_elem, grad_elem, scale_mode,
+                                                  block_size, key_tile)
+    reason = triton_attention_unsupported(
+        q, k, v, attn_mask, is_causal, mode, forward_elem, block_size, grad_elem=grad_elem,
+        backward_tensors=(grad_out, out, lse),
+    )
+    if reason is not None:
+        _log.debug("mxcompile::attention_backward: torch implementation, not the Triton kernels: %s", reason)
+        return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options)
+    from ..triton_templates import mx_attention_backward_triton
+
+    grads = mx_attention_backward_triton(
+        q, k, v, out, grad_out, lse, sm_scale=scale, causal=is_causal, mode=mode,
+        forward_elem=forward_elem, grad_elem=grad_elem, scale_mode=scale_mode, block_size=block_size,
+    )
+    return tuple(sequence_major(g) for g in grads)
+
+
+# The autograd of the forward op, written once: the op's registered autograd (gradient format
+# DEFAULT_GRAD_ELEM) and `mxcompile.attention.mx_attention` (a chosen gradient format) both
+# save with `save_attention_context` and differentiate with `attention_grads`.
+
+
+def save_attention_context(ctx: Any, q, k, v, attn_mask, out, lse, options: AttentionOptions) -> None:
+    """Save what `attention_grads` needs on an autograd context."""
+    ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+    ctx.attention_options = options
+
+
+def attention_grads(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the forward saved by `save_attention_context`: the backward op."""
+    q, k, v, attn_mask, out, lse = ctx.saved_tensors
+    return ATTENTION_BACKWARD(grad_out, q, k, v, attn_mask, out, lse, *ctx.attention_options.backward_args())
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, attn_mask, *rest = inputs
+    save_attention_context(ctx, q, k, v, attn_mask, *output, AttentionOptions.from_forward_args(*rest))
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor) -> tuple:
+    return *attention_grads(ctx, grad_out), *([None] * _ARGS_AFTER_QKV)
+
+
+# The overloads the graph passes insert.
+ATTENTION = torch.ops.mxcompile.attention.default
+ATTENTION_BACKWARD = torch.ops.mxcompile.attention_backward.default
+# Arguments of `mxcompile::attention` after q, k, v: attn_mask and the seven options.
+_ARGS_AFTER_QKV = 8
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,352 @@
+"""MX attention on CPU: a key-tiled (flash-style) attention whose GEMMs are MX GEMMs.
+
+Semantics (what `mxcompile::attention` and `mxcompile::attention_backward` compute)
+--------------------------------------------------------------------------------
+q: (B, Hq, Tq, d), k: (B, Hkv, Tk, d), v: (B, Hkv, Tk, dv), Hq a multiple of Hkv (GQA: query
+head h reads key/value head h // (Hq / Hkv)). Every GEMM quantizes both operands along its own
+contraction axis, in blocks of `block_size` that share one E8M0 scale (the numerics of
+`mxcompile.numerics`, the one definition), and multiplies the exact dequantized values with
+fp32 accumulation:
+
+    forward    S  = Q·Kᵀ      Q, K along head_dim             (forward_elem)
+               O  = P·V       P, V along the key axis         (forward_elem)
+    backward   dV = Pᵀ·dO     P, dO along the query axis      (P: forward_elem, dO: grad_elem)
+               dP = dO·Vᵀ     dO, V along head_dim (dv)       (dO: grad_elem, V: forward_elem)
+               dQ = dS·K      dS, K along the key axis        (dS: grad_elem, K: forward_elem)
+               dK = dSᵀ·Q     dS, Q along the query axis      (dS: grad_elem, Q: forward_elem)
+
+The softmax scale and the mask are applied in fp32 to S, the softmax is fp32, and so are
+dS = P ∘ (dP - D) with D = rowsum(dO ∘ O) (the flash-attention identity, with the MX output O).
+Outputs are cast back to the input dtypes.
+
+How P is quantized. The forward never holds a whole row of P: it walks over tiles of keys with
+an online softmax. It keeps the running row maximum as an integer power-of-two exponent
+m = ceil(rowmax(S)·log2(e)), so the row's largest unnormalized probability lies in (1/2, 1],
+quantizes the unnormalized tile p = 2**(S·log2(e) - m) along keys, and divides by the row sum
+l after the GEMM: O = (Σ_tiles MX(p)·MX(V)) / l. When m grows, the accumulator is rescaled by
+an exact power of two, and MX quantization commutes with power-of-two scaling, so the result
+does not depend on the tile size beyond fp32 rounding. It differs from quantizing the
+normalized P (what the eager GEMM rewrite does to an explicit softmax·V) only in rounding:
+both are MX along the key axis.
+
+Causal masking caveat. Quantizing along a token axis puts `block_size` (32) consecutive tokens
+under one scale. S = Q·Kᵀ quantizes along head_dim, inside one token, and mixes nothing. P's
+masked entries are exactly 0 and never raise a block maximum. But O = P·V quantizes V along
+the keys: the scale of V[32j : 32j+32, c] is set by the largest of those 32 keys, including
+keys that a query near the causal diagonal (or behind an explicit mask) does not attend to. So
+a key a query cannot see can change how the values of the keys it does see are rounded (never
+their attention weights): an earlier output can move, by rounding, when a later token in the
+same block of 32 changes; the move is large only when that token raises the block maximum
+enough to push the other values toward e4m3's subnormal range. The backward has the same property along the query axis (dV = Pᵀ·dO and
+dK = dSᵀ·Q quantize dO and Q over blocks of 32 queries). The error stays within the usual MX
+bound; MX attention is causal in its weights but not bit-for-bit causal in its rounding.
+
+attention="qk_only" keeps the score path in MX (S = Q·Kᵀ and its two backward GEMMs
+dQ = dS·K and dK = dSᵀ·Q) and the value path in high precision (O = P·V, dV = Pᵀ·dO,
+dP = dO·Vᵀ computed from unquantized fp32 operands). Rationale: P holds probabilities spread
+over many orders of magnitude, and e4m3 keeps only ~2**-9 of a block's maximum before flushing
+to zero, so the value path is where attention is most sensitive to MX; the score path has
+operands (projected activations) shaped like ordinary GEMM inputs. "off" is not an op mode the
+rewrite uses: the graph keeps aten's attention. The op accepts "off" (everything fp32) for
+tests and benchmarks.
+
+Rows without any attended key (every score -inf, or below about -2.4e38, e.g. torch.finfo.min
+masks, which overflow when converted to base 2) give output 0, logsumexp +inf and zero
+gradients, like torch's _safe_softmax; torch's flash kernel instead averages V for finite-min
+rows.
+
+Memory. The forward holds per key tile one (Tq x key_tile) score and probability tile plus
+fp32 copies of Q, K, V and the output accumulator, so it grows with Tq·(key_tile + d), not
+Tq·Tk; the backward recomputes S and P per tile from the saved logsumexp (also MX) and holds
+the same per-tile working set plus fp32 gradient accumulators. With is_causal, a key tile
+starting at key s skips the query rows before s (they see none of its keys, and s is a
+multiple of block_size so query-axis blocks stay aligned), which halves the work.
+
+Lowering: opaque. The ops stay one node each through partitioning and Inductor (which runs
+them as fallback kernels); `mxcompile.lowering` does not decompose them. Tracing the tile loop
+into the graph would unroll Tk/key_tile iterations of ~40 ops each, so Inductor's compile time
+and graph size would grow with the sequence length (and every new length would recompile
+another unrolled loop), and its scheduler would be free to fuse across tiles, so the memory
+bound would no longer hold by construction. The price is that quantization inside a tile runs
+as unfused eager PyTorch ops.
+
+CUDA. Both ops have a CUDA kernel (`attention_forward_cuda`, `attention_backward_cuda`,
+registered with `register_kernel("cuda")`, so eager calls and Inductor's fallback kernels reach
+it alike) that runs the Triton kernels of `mxcompile.triton_templates` (`mx_attention_triton`,
+`mx_attention_backward_triton`) when they support the call, and the torch implementation above
+otherwise; `triton_attention_unsupported` says why not. The Triton forward computes the same
+algorithm (base-2 online softmax with an integer running maximum, P quantized per key tile),
+so it is tile-size independent like this one: key_tile only sets the torch implementation's
+tiles. Both agree with the torch implementation up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..numerics import dequantize_along, elem_format, quantize_along
+from ..numerics import scale_mode as scale_mode_named
+
+ATTENTION_MODES = ("both", "qk_only", "off")
+# Gradient element format when the forward op is differentiated through its registered autograd
+# (the MXFP8 recipe default); the graph rewrite calls the backward op with config.grad_elem and
+# `mx_attention(grad_elem=...)` chooses its own.
+DEFAULT_GRAD_ELEM = "e4m3"
+DEFAULT_KEY_TILE = 128  # keys per tile, rounded down to a multiple of the block size
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def check_attention_mode(mode: str) -> None:
+    """Raise ValueError unless `mode` is one of ATTENTION_MODES."""
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"mode={mode!r} is not accepted; accepted: {list(ATTENTION_MODES)}")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The non-tensor arguments of the attention ops, in one value. `grad_elem` is used by the
+    backward only (the forward op's schema has none: its registered autograd uses
+    DEFAULT_GRAD_ELEM). The op schemas stay positional (torch.library takes no dataclasses);
+    `forward_args` / `backward_args` give them in schema order."""
+
+    is_causal: bool
+    scale: float
+    mode: str
+    forward_elem: str
+    scale_mode: str
+    block_size: int
+    key_tile: int
+    grad_elem: str = DEFAULT_GRAD_ELEM
+
+    def __post_init__(self) -> None:
+        check_attention_mode(self.mode)
+
+    @classmethod
+    def from_forward_args(cls, is_causal: bool, scale: float, mode: str, forward_elem: str, scale_mode: str,
+                          block_size: int, key_tile: int, *, grad_elem: str = DEFAULT_GRAD_ELEM) -> AttentionOptions:
+        """From the trailing arguments of `mxcompile::attention`, in schema order."""
+        return cls(is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+
+    @classmethod
+    def from_backward_args(cls, is_causal: bool, scale: float, mode: str, forward_elem: str, grad_elem: str,
+                           scale_mode: str, block_size: int, key_tile: int) -> AttentionOptions:
+        """From the trailing arguments of `mxcompile::attention_backward`, in schema order."""
+        return cls(is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+
+    def forward_args(self) -> tuple:
+        """The trailing arguments of `mxcompile::attention`, in schema order."""
+        return (self.is_causal, self.scale, self.mode, self.forward_elem, self.scale_mode, self.block_size,
+                self.key_tile)
+
+    def backward_args(self) -> tuple:
+        """The trailing arguments of `mxcompile::attention_backward`, in schema order."""
+        return (self.is_causal, self.scale, self.mode, self.forward_elem, self.grad_elem, self.scale_mode,
+                self.block_size, self.key_tile)
+
+
+def default_key_tile(block_size: int) -> int:
+    """DEFAULT_KEY_TILE rounded down to a multiple of block_size (at least one block): key
+    tiles must hold whole blocks, so that P's key-axis blocks never straddle two tiles."""
+    return max(block_size, DEFAULT_KEY_TILE // block_size * block_size)
+
+
+def _mx_rounded(x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int) -> torch.Tensor:
+    """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees)."""
+    axis = axis % x.ndim
+    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(mode), block_size)
+    return dequantize_along(data, scale, axis, block_size, torch.float32)
+
+
+class _Operands:
+    """Turns operands into the fp32 values a GEMM multiplies: MX-rounded along an axis when
+    that GEMM family is in MX, the plain fp32 values otherwise."""
+
+    def __init__(self, mode: str, scale_mode_name: str, block_size: int) -> None:
+        self.mx_qk = mode in ("both", "qk_only")
+        self.mx_pv = mode == "both"
+        self.scale_mode = scale_mode_name
+        self.block_size = block_size
+
+    def qk(self, x: torch.Tensor, axis: int, elem: str) -> torch.Tensor:
+        """An operand of S = Q·Kᵀ, dQ = dS·K or dK = dSᵀ·Q."""
+        if self.mx_qk:
+            return _mx_rounded(x, axis, elem, self.scale_mode, self.block_size)
+        return x.float()
+
+    def pv(self, x: torch.Tensor, axis: int, elem: str) -> torch.Tensor:
+        """An operand of O = P·V, dV = Pᵀ·dO or dP = dO·Vᵀ."""
+        if self.mx_pv:
+            return _mx_rounded(x, axis, elem, self.scale_mode, self.block_size)
+        return x.float()
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, T, e) -> (B, Hkv, G, T, e): query heads grouped under their key/value head."""
+    batch, heads, seq, width = x.shape
+    return x.reshape(batch, kv_heads, heads // kv_heads, seq, width)
+
+
+def _grouped_mask(
+    mask: torch.Tensor | None, batch: int, heads: int, kv_heads: int, q_len: int, k_len: int
+) -> torch.Tensor | None:
+    """The attention mask as a 5-D view (b, Hkv or 1, G or 1, Tq, Tk) in natural-log units:
+    additive float masks as they are, boolean masks (True = attend) as 0 / -inf. Size-1 query
+    and key dims are expanded (a view) so that tiles can slice them."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    while mask.ndim < 4:
+        mask = mask.unsqueeze(0)
+    mask = mask.expand(mask.shape[0], mask.shape[1], q_len, k_len)
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, q_len, k_len)
+
+
+def _tile_scores(
+    q_tile: torch.Tensor,
+    k_tile: torch.Tensor,
+    mask5: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    q_lo: int,
+    k_lo: int,
+) -> torch.Tensor:
+    """S·log2(e) of one key tile for query rows q_lo.. (fp32, masked entries -inf)."""
+    k_hi = k_lo + k_tile.shape[-2]
+    scores = torch.matmul(q_tile, k_tile.transpose(-1, -2)).mul_(scale * _LOG2E)
+    if mask5 is not None:
+        scores.add_(mask5[..., q_lo:, k_lo:k_hi], alpha=_LOG2E)
+    if is_causal:
+        rows = torch.arange(q_lo, q_lo + q_tile.shape[-2], device=scores.device).unsqueeze(-1)
+        cols = torch.arange(k_lo, k_hi, device=scores.device).unsqueeze(0)
+        scores.masked_fill_(cols > rows, float("-inf"))
+    return scores
+
+
+def _tile_starts(q_len: int, k_len: int, key_tile: int, is_causal: bool):
+    """(first key, first query row) of every key tile that some query attends to."""
+    for k_lo in range(0, k_len, key_tile):
+        q_lo = k_lo if is_causal else 0  # top-left causal: row r sees keys 0..r
+        if q_lo >= q_len:
+            return
+        yield k_lo, q_lo
+
+
+def attention_forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    options: AttentionOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-tiled MX attention forward: (output (B, Hq, Tq, dv) in q.dtype, logsumexp (B, Hq, Tq)
+    fp32 in natural-log units). See the module docstring for the semantics."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, k_len, v_width = k.shape[1], k.shape[2], v.shape[-1]
+    ops = _Operands(options.mode, options.scale_mode, options.block_size)
+    is_causal, scale, key_tile, forward_elem = options.is_causal, options.scale, options.key_tile, options.forward_elem
+    qf = ops.qk(_grouped(q, kv_heads), -1, forward_elem)  # (B, Hkv, G, Tq, d)
+    kf = ops.qk(k.unsqueeze(2), -1, forward_elem)  # (B, Hkv, 1, Tk, d)
+    vf = ops.pv(v.unsqueeze(2), -2, forward_elem)  # (B, Hkv, 1, Tk, dv), blocks along keys
+    mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
+    row_shape = (*qf.shape[:-1], 1)
+    # Working tensors on the inputs' device (the CUDA kernel falls back to this function).
+    exponent = torch.full(row_shape, float("-inf"), device=q.device)  # running ceil(row max), base 2
+    row_sum = torch.zeros(row_shape, device=q.device)
+    acc = torch.zeros((*qf.shape[:-1], v_width), device=q.device)
+    for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
+        k_hi = min(k_lo + key_tile, k_len)
+        s2 = _tile_scores(qf[..., q_lo:, :], kf[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
+        old = exponent[..., q_lo:, :]
+        new = torch.maximum(old, torch.ceil(s2.amax(dim=-1, keepdim=True)))
+        new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        # Both exponents are integers (or -inf), so the rescale is an exact power of two.
+        alpha = torch.exp2(old - new_safe)
+        p = torch.exp2(s2 - new_safe)
+        row_sum[..., q_lo:, :].mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        pv = torch.matmul(ops.pv(p, -1, forward_elem), vf[..., k_lo:k_hi, :])
+        acc[..., q_lo:, :].mul_(alpha).add_(pv)
+        exponent[..., q_lo:, :] = new
+    attended = row_sum > 0
+    out = torch.where(attended, acc / torch.where(attended, row_sum, 1.0), 0.0)
+    exponent = torch.where(torch.isfinite(exponent), exponent, torch.zeros_like(exponent))
+    lse = torch.where(attended, (exponent + torch.log2(row_sum)) * _LN2, float("inf"))
+    out = out.reshape(batch, heads, q_len, v_width).to(q.dtype)
+    return out, lse.reshape(batch, heads, q_len)
+
+
+def attention_backward_impl(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    options: AttentionOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key-tiled MX attention backward: (dq, dk, dv) in the dtypes of q, k, v. Recomputes S and
+    P per tile from the saved logsumexp; every GEMM quantizes along its own contraction axis."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    ops = _Operands(options.mode, options.scale_mode, options.block_size)
+    is_causal, scale, key_tile = options.is_causal, options.scale, options.key_tile
+    forward_elem, grad_elem = options.forward_elem, options.grad_elem
+    q5 = _grouped(q, kv_heads)
+    do5 = _grouped(grad_out, kv_heads)
+    q_d = ops.qk(q5, -1, forward_elem)  # S = Q·Kᵀ: along head_dim
+    k_d = ops.qk(k.unsqueeze(2), -1, forward_elem)
+    q_t = ops.qk(q5, -2, forward_elem)  # dK = dSᵀ·Q: along queries
+    k_t = ops.qk(k.unsqueeze(2), -2, forward_elem)  # dQ = dS·K: along keys
+    v_d = ops.pv(v.unsqueeze(2), -1, forward_elem)  # dP = dO·Vᵀ: along dv
+    do_d = ops.pv(do5, -1, grad_elem)
+    do_t = ops.pv(do5, -2, grad_elem)  # dV = Pᵀ·dO: along queries
+    delta = (do5.float() * _grouped(out, kv_heads).float()).sum(dim=-1, keepdim=True)
+    lse2 = _grouped(lse.unsqueeze(-1), kv_heads) * _LOG2E
+    mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
+    dq = torch.zeros(q_d.shape, device=q.device)
+    dk = torch.zeros(k.shape, device=k.device)
+    dv = torch.zeros(v.shape, device=v.device)
+    for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
+        k_hi = min(k_lo + key_tile, k_len)
+        s2 = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
+        p = torch.exp2(s2.sub_(lse2[..., q_lo:, :]))  # normalized probabilities
+        # Pᵀ and dSᵀ quantized along their last axis are P and dS quantized along the queries.
+        dv_tile = torch.matmul(ops.pv(p.transpose(-1, -2), -1, forward_elem), do_t[..., q_lo:, :])
+        dv[:, :, k_lo:k_hi] = dv_tile.sum(dim=2)
+        dp = torch.matmul(do_d[..., q_lo:, :], v_d[..., k_lo:k_hi, :].transpose(-1, -2))
+        ds = dp.sub_(delta[..., q_lo:, :]).mul_(p)
+        dq[..., q_lo:, :] += torch.matmul(ops.qk(ds, -1, grad_elem), k_t[..., k_lo:k_hi, :])
+        dk_tile = torch.matmul(ops.qk(ds.transpose(-1, -2), -1, grad_elem), q_t[..., q_lo:, :])
+        dk[:, :, k_lo:k_hi] = dk_tile.sum(dim=2)
+    dq = (dq * scale).reshape(q.shape).to(q.dtype)
+    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+
+
+def sequence_major(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, ...) with (B, T, H, ...) memory order."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _empty_sequence_major(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    batch, heads, seq, *rest = shape
+    return like.new_empty((batch, seq, heads, *rest), dtype=dtype).transpose(1, 2)
+
+
+def _empty_output(q: torch.Tensor, width: int) -> torch.Tensor:
+    """The attention output's buffer: laid out like q (as aten's CPU flash attention does) when
+    it has q's shape, contiguous otherwise."""
+    if width == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:-1], width))
+
+
+# Output layouts. The ops return the layouts of aten's CPU flash attention (its meta functions):
+# the output laid out like the query, the logsumexp and the gradients in (B, T, H, ...) memory
+# order. Their fake implementations say the same, so the nodes after a replaced aten op, traced

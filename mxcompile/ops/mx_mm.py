@@ -1,0 +1,127 @@
+"""The MX GEMM op `mxcompile::mx_mm`.
+
+    mxcompile::mx_mm(a, a_scale, b, b_scale, block_size, out_dtype) -> c
+
+a (..., M, K) quantized along K times b (..., K, N) quantized along K, fp32 accumulation. The
+torch reference multiplies the dequantized operands (`numerics.dequantize_along`); the CUDA
+kernel, registered with `register_kernel("cuda")`, is the Triton MX GEMM of
+`mxcompile.triton_templates` where it supports the call (a 2-D B), the reference otherwise. On
+CPU the backend lowers the op to a high-precision matmul of fake-quantized operands
+(`mxcompile.lowering.lower_mx_gemms`), or decomposes it (`DECOMPOSITIONS`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..numerics import dequantize_along
+
+_log = logging.getLogger(__name__)
+
+
+def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the MX GEMM dequantizes its operands to before multiplying (fp32 accumulation).
+
+    bf16 for low-precision outputs: exact for every FP8 value times a power-of-two scale unless
+    the product underflows bf16's subnormal range (scale byte < 3 for e4m3, < 10 for e5m2), and
+    about 2x faster than fp32 on CPUs with AVX512-BF16. fp32 outputs get fp32 operands, so that
+    the output carries no extra bf16 rounding.
+    """
+    return torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+
+
+def mx_mm_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The torch implementation of `mxcompile::mx_mm` (scales: uint8 bytes)."""
+    operand_dtype = gemm_operand_dtype(out_dtype)
+    a_hp = dequantize_along(a, a_scale, a.ndim - 1, block_size, operand_dtype)
+    b_hp = dequantize_along(b, b_scale, b.ndim - 2, block_size, operand_dtype)
+    return torch.matmul(a_hp, b_hp).to(out_dtype)
+
+
+@torch.library.custom_op("mxcompile::mx_mm", mutates_args=())
+def mx_mm_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """MX GEMM: a (..., M, K) quantized along K times b (..., K, N) quantized along K (uint8
+    scale bytes)."""
+    return mx_mm_reference(a, a_scale, b, b_scale, block_size, out_dtype).contiguous()
+
+
+@mx_mm_op.register_fake
+def _mx_mm_fake(a, a_scale, b, b_scale, block_size, out_dtype):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return a.new_empty((*batch, a.shape[-2], b.shape[-1]), dtype=out_dtype)
+
+
+def triton_mx_mm_unsupported(a: torch.Tensor, b: torch.Tensor, block_size: int) -> str | None:
+    """Why the Triton MX GEMM cannot run this call of `mxcompile::mx_mm`, or None."""
+    from ..triton_templates import triton_available
+
+    if b.ndim != 2:
+        return f"b has {b.ndim} dims: the Triton MX GEMM takes a 2-D B"
+    ok, why = triton_available(a.device, block_size=block_size)
+    return None if ok else why
+
+
+def mx_mm_with_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The Triton MX GEMM on the op's operands: a (..., M, K) flattened to 2-D, b (K, N)."""
+    from ..triton_templates import _interpreting, _operand_elem, resolve_gemm_path
+    from ..triton_templates.mx_gemm import MXMMKey, mx_mm_launch
+
+    lead = a.shape[:-1]
+    key = MXMMKey(_operand_elem(a, "a"), _operand_elem(b, "b"))
+    c, _, _ = mx_mm_launch(
+        a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, a_scale.shape[-1]), b, b_scale,
+        block_size=block_size, out_dtype=out_dtype, key=key,
+        use_dot_scaled=resolve_gemm_path("auto", a.device, block_size), interpret=_interpreting(),
+    )  # fmt: skip
+    if c is None:
+        raise RuntimeError("mx_mm_launch returned no output although store_c is set")
+    return c.reshape(*lead, b.shape[-1])
+
+
+@mx_mm_op.register_kernel("cuda")
+def mx_mm_cuda(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`mxcompile::mx_mm` on CUDA: the Triton MX GEMM when `triton_mx_mm_unsupported` says it
+    can run, the torch reference otherwise (logged at DEBUG level with the reason). Also
+    callable on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+    reason = triton_mx_mm_unsupported(a, b, block_size)
+    if reason is not None:
+        _log.debug("mxcompile::mx_mm: torch reference, not the Triton kernel: %s", reason)
+        return mx_mm_reference(a, a_scale, b, b_scale, block_size, out_dtype).contiguous()
+    return mx_mm_with_triton(a, a_scale, b, b_scale, block_size, out_dtype)
+
+
+MX_MM = torch.ops.mxcompile.mx_mm.default  # the overload the graph passes insert
+
+DECOMPOSITIONS: dict = {
+    MX_MM: lambda *a: mx_mm_reference(*a).contiguous(),
+}

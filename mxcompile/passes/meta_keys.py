@@ -1,0 +1,7 @@
+"""Every key mxcompile stores in a graph's or a node's `meta` dict, in one place: the passes,
+the backend and the lowering import them from here."""
+
+GRAPH_INFO_KEY = "mxcompile_graph_info"  # gm.meta: the backend's GraphInfo (passes.graph_facts)
+PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
+# node.meta key on GEMMs attention_rewrite decided on (value: their role); gemm_rewrite skips them.
+CLAIMED_KEY = "mxcompile_attention"
