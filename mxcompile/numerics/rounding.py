@@ -15,7 +15,7 @@ Checked against the fp8 cast on millions of random fp32 patterns and on every fp
 midpoint between neighbours and each midpoint +-1 ulp (tests/numerics/test_rounding.py).
 
 `quantize_blocks` / `fake_quantize_blocks` apply given block scales to blocks of fp32 values;
-the Inductor lowering (mxcompile/ops.py) feeds them scales computed outside the fused loop.
+the Inductor lowering (mxcompile/ops/quantize.py) feeds them scales computed outside the fused loop.
 """
 
 from __future__ import annotations

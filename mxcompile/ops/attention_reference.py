@@ -1,4 +1,5 @@
-"""MX attention on CPU: a key-tiled (flash-style) attention whose GEMMs are MX GEMMs.
+"""The torch reference of MX attention: a key-tiled (flash-style) attention whose GEMMs are
+MX GEMMs.
 
 Semantics (what `mxcompile::attention` and `mxcompile::attention_backward` compute)
 --------------------------------------------------------------------------------
@@ -62,22 +63,7 @@ the same per-tile working set plus fp32 gradient accumulators. With is_causal, a
 starting at key s skips the query rows before s (they see none of its keys, and s is a
 multiple of block_size so query-axis blocks stay aligned), which halves the work.
 
-Lowering: opaque. The ops stay one node each through partitioning and Inductor (which runs
-them as fallback kernels); `mxcompile.lowering` does not decompose them. Tracing the tile loop
-into the graph would unroll Tk/key_tile iterations of ~40 ops each, so Inductor's compile time
-and graph size would grow with the sequence length (and every new length would recompile
-another unrolled loop), and its scheduler would be free to fuse across tiles, so the memory
-bound would no longer hold by construction. The price is that quantization inside a tile runs
-as unfused eager PyTorch ops.
-
-CUDA. Both ops have a CUDA kernel (`attention_forward_cuda`, `attention_backward_cuda`,
-registered with `register_kernel("cuda")`, so eager calls and Inductor's fallback kernels reach
-it alike) that runs the Triton kernels of `mxcompile.triton_templates` (`mx_attention_triton`,
-`mx_attention_backward_triton`) when they support the call, and the torch implementation above
-otherwise; `triton_attention_unsupported` says why not. The Triton forward computes the same
-algorithm (base-2 online softmax with an integer running maximum, P quantized per key tile),
-so it is tile-size independent like this one: key_tile only sets the torch implementation's
-tiles. Both agree with the torch implementation up to fp32 summation order.
+The ops, their layouts, their lowering and their CUDA kernels: `mxcompile.ops.attention`.
 """
 
 from __future__ import annotations

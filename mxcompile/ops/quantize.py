@@ -42,8 +42,6 @@ _log = logging.getLogger(__name__)
 # of 64 to 4M elements: 8.3-9.3 bytes (rounded up below); Inductor fuses the decomposed op.
 QUANTIZE_SLICE_ELEMENTS = 2**16
 QUANTIZE_SCRATCH_BYTES_PER_ELEMENT = 10
-# E8M0 has 256 codes: the per-block scale and inverse scale are looked up by scale byte.
-_E8M0_CODES = 256
 
 
 def quantize_scratch_bytes(numel: int) -> int:
@@ -187,15 +185,24 @@ def block_scales_op(
     An op of its own in Inductor graphs on purpose: it runs once per block (1/32 of the
     elements), whereas inlined into the fused element loop its int/float bitcasts would run,
     unvectorized, once per element. Eager, and without an internal compile (which would
-    recompile for every new shape): the scale and its inverse are looked up by scale byte
-    in 256-entry tables, two gathers instead of two chains of integer ops.
+    recompile for every new shape): in slices of QUANTIZE_SLICE_ELEMENTS blocks, so that each of
+    the dozen small ops works on cache-resident temporaries instead of fresh tensor-sized ones,
+    writing into preallocated outputs.
     """
-    scale_bytes = scale_bytes_from_amax(amax, elem_format(elem), scale_mode_named(scale_mode))
-    codes = torch.arange(_E8M0_CODES, dtype=torch.int32, device=amax.device)
-    index = scale_bytes.reshape(-1)
-    scale = scale_fp32_from_bytes(codes)[index].reshape(amax.shape)
-    inverse = inverse_scale_fp32_from_bytes(codes)[index].reshape(amax.shape)
-    return scale_bytes.to(torch.uint8), scale, inverse
+    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
+    dense = amax.contiguous()
+    outputs = _block_scales_fake(dense, elem, scale_mode)
+    flat_amax, flat_outputs = dense.view(-1), [t.view(-1) for t in outputs]
+    for start in range(0, flat_amax.numel(), QUANTIZE_SLICE_ELEMENTS):
+        part = flat_amax[start:start + QUANTIZE_SLICE_ELEMENTS]
+        part_bytes = scale_bytes_from_amax(part, fmt, mode)
+        values = (part_bytes, scale_fp32_from_bytes(part_bytes), inverse_scale_fp32_from_bytes(part_bytes))
+        for out, value in zip(flat_outputs, values):
+            out[start:start + QUANTIZE_SLICE_ELEMENTS].copy_(value)
+    if dense is amax:
+        return outputs
+    # The fake's layouts (those of amax).
+    return tuple(like.copy_(t) for like, t in zip(_block_scales_fake(amax, elem, scale_mode), outputs))
 
 
 @block_scales_op.register_fake

@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..config import MXConfig
-from ..ops.offload import OFFLOAD, RELOAD
+from ..ops import offload as offload_ops
 from ..cost.profiles import PROFILES, DeviceProfile, measure_cpu_profile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
@@ -197,15 +197,15 @@ def insert_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: Sequence[str],
         value = node.meta["val"]
         last = max((u for u in node.users if u.op != "output"), key=order.__getitem__, default=node)
         with fw.graph.inserting_after(last):
-            moved = fw.graph.call_function(OFFLOAD, (node,))
-        moved.meta["val"] = _fake_call(OFFLOAD, value)
+            moved = fw.graph.call_function(offload_ops.OFFLOAD, (node,))
+        moved.meta["val"] = _fake_call(offload_ops.OFFLOAD, value)
         for i in positions:
             leaves[i] = moved
         users = [u for u in bw.graph.nodes if u in ph.users]
         if users:
             with bw.graph.inserting_before(users[0]):
-                back = bw.graph.call_function(RELOAD, (ph, value.device))
-            back.meta["val"] = _fake_call(RELOAD, moved.meta["val"], value.device)
+                back = bw.graph.call_function(offload_ops.RELOAD, (ph, value.device))
+            back.meta["val"] = _fake_call(offload_ops.RELOAD, moved.meta["val"], value.device)
             ph.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         ph.meta["val"] = moved.meta["val"]
         wrapped.append(name)
