@@ -313,26 +313,3 @@ def attention_backward_impl(
         dk[:, :, k_lo:k_hi] = dk_tile.sum(dim=2)
     dq = (dq * scale).reshape(q.shape).to(q.dtype)
     return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
-
-
-def sequence_major(x: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, ...) with (B, T, H, ...) memory order."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def _empty_sequence_major(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    batch, heads, seq, *rest = shape
-    return like.new_empty((batch, seq, heads, *rest), dtype=dtype).transpose(1, 2)
-
-
-def _empty_output(q: torch.Tensor, width: int) -> torch.Tensor:
-    """The attention output's buffer: laid out like q (as aten's CPU flash attention does) when
-    it has q's shape, contiguous otherwise."""
-    if width == q.shape[-1]:
-        return torch.empty_like(q)
-    return q.new_empty((*q.shape[:-1], width))
-
-
-# Output layouts. The ops return the layouts of aten's CPU flash attention (its meta functions):
-# the output laid out like the query, the logsumexp and the gradients in (B, T, H, ...) memory
-# order. Their fake implementations say the same, so the nodes after a replaced aten op, traced
