@@ -72,3 +72,29 @@ def test_mx_ops_trace_with_fullgraph():
     x, w = torch.randn(32, 64), torch.randn(64, 32)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, w), step(x, w), rtol=0, atol=0)
+
+
+def test_block_scales_op_matches_the_numerics_core_without_compiling():
+    """The eager per-block op gives the numerics core's bytes, scales and inverse scales over
+    several slices (QUANTIZE_SLICE_ELEMENTS) and for a non-contiguous amax, and never starts a
+    torch.compile (an internal compile recompiled for every new shape, issue 16)."""
+    from torch._dynamo.utils import counters
+
+    from mxcompile.numerics import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
+    from mxcompile.ops.quantize import QUANTIZE_SLICE_ELEMENTS, block_scales_op
+
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * QUANTIZE_SLICE_ELEMENTS // 64 + 3  # two full slices and a partial one
+    amax = (torch.randn(rows, 64, generator=g) * torch.exp2(torch.randint(-140, 128, (rows, 64), generator=g).float())).abs()
+    amax[0, :5] = torch.tensor([0.0, float("nan"), float("inf"), 2.0**-149, torch.finfo(torch.float32).max])
+    graphs = counters["stats"]["unique_graphs"]
+    for a in (amax, amax.t(), amax[:7, :3]):
+        for elem in sorted(ELEM_FORMATS):
+            for mode in ScaleMode:
+                got = block_scales_op(a, elem, mode.value)
+                want_bytes = scale_bytes_from_amax(a, ELEM_FORMATS[elem], mode)
+                want = (want_bytes.to(torch.uint8), scale_fp32_from_bytes(want_bytes),
+                        inverse_scale_fp32_from_bytes(want_bytes))
+                assert [t.stride() for t in got] == [torch.empty_like(a).stride()] * 3
+                assert all(_same_bits(x, y) for x, y in zip(got, want)), (elem, mode)
+    assert counters["stats"]["unique_graphs"] == graphs
