@@ -1,4 +1,4 @@
-"""Benchmark (and check) the generated MX Triton kernels.
+"""Benchmark (and check) the MX Triton kernels.
 
 On a GPU:
     python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s vs
@@ -73,7 +73,7 @@ def bench(fn: Callable[[], object], device: torch.device, reps: int) -> float:
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()  # warm-up (renders and loads the kernel)
+    fn()  # warm-up (loads and compiles the kernel)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Compile the generated kernels for a GPU target without a GPU (ahead of time, to a cubin).
+"""Compile the Triton kernels for a GPU target without a GPU (ahead of time, to a cubin).
 
 The interpreter checks numerics; it does not check that a kernel compiles for a real target
 (layouts of `tl.dot_scaled`, FP8 `tl.dot`, reshapes, reductions, constexpr use). Triton can

@@ -1,4 +1,4 @@
-"""The generated kernels compile for real GPU targets (to a cubin), with no GPU present.
+"""The Triton kernels compile for real GPU targets (to a cubin), with no GPU present.
 
 The interpreter tests check numerics; these check that the same sources lower for Hopper
 (sm90: FP8 wgmma, emulated dot_scaled) and Blackwell (sm100: native block-scaled MMA), through

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from triton.runtime.jit import JITFunction
 
 import mxcompile.ops  # noqa: F401  (reference ops)
 from mxcompile.triton_templates.ops import TRITON_REPLACEMENTS, use_triton_kernels
@@ -102,8 +103,8 @@ def test_aot_trace_shows_generated_kernels(caplog: pytest.LogCaptureFixture) -> 
     kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in wrappers]
     names = [getattr(k, "fn", k).fn.__name__ for k in kernels]  # Autotuner -> JITFunction -> fn
     assert names == ["mx_quantize_kernel", "mx_quantize_kernel", "mx_mm_kernel"]
-    modules = {getattr(k, "fn", k).fn.__module__ for k in kernels}
-    assert all(m.startswith("mxcompile_triton_") and m.endswith("_jit") for m in modules)
+    # Compiled-mode JITFunctions (not the interpreter's), as a GPU launch needs.
+    assert all(isinstance(getattr(k, "fn", k), JITFunction) for k in kernels)
     quantize_kwargs = [n.kwargs["kwargs"] for n in wrappers[:2]]
     assert [(kw["ROWWISE"], kw["COLWISE"]) for kw in quantize_kwargs] == [
         (True, False),
