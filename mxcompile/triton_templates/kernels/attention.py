@@ -5,7 +5,7 @@ the shapes and the references."""
 import triton
 import triton.language as tl
 
-from .mx_tile import E8M0_ONE, LN2, load_rows, max_combine, mx_lhs, sum_combine
+from .mx_tile import E8M0_ONE, LN2, key_tiles_end, load_rows, max_combine, mx_lhs, sum_combine
 
 
 @triton.jit
@@ -53,11 +53,7 @@ def mx_attention_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
-    else:
-        hi = S_K
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, key_tiles_end(S_K, pid_m, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < S_K
         # S = Q K^T: K^T tile (HEAD_DIM, BLOCK_N); K's scales (BLOCK_N, HEAD_DIM // 32) are

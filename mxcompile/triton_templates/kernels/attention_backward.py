@@ -10,7 +10,7 @@ kernel works on the transposed products (keys as rows); `QUERY_ROWS` says which 
 import triton
 import triton.language as tl
 
-from .mx_tile import LOG2E, load_rows, mx_lhs, mx_rhs, sum_combine
+from .mx_tile import LOG2E, key_tiles_end, load_rows, mx_lhs, mx_rhs, sum_combine
 
 
 @triton.jit
@@ -77,6 +77,12 @@ def _scores_and_probs(
 
 
 @triton.jit
+def _load_fp32(ptr, offs_rows, stride_rows, offs_d, stride_d, mask_rows):
+    """A (rows, HEAD_DIM) tile of a high-precision input in fp32; masked rows read 0."""
+    return load_rows(ptr, offs_rows, stride_rows, offs_d, stride_d, mask_rows, 0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_row_stats(lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh,
                     stride_em):  # fmt: skip
     """The saved logsumexp, in base 2, and delta of the query rows offs_m."""
@@ -103,9 +109,9 @@ def mx_attention_bwd_preprocess_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < S_Q
-    o = load_rows(o_ptr + head * stride_oh, offs_m, stride_om, offs_d, stride_od, mask_m, 0.0)
-    do = load_rows(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m, 0.0)
-    delta = tl.reduce(o.to(tl.float32) * do.to(tl.float32), 1, sum_combine)
+    o = _load_fp32(o_ptr + head * stride_oh, offs_m, stride_om, offs_d, stride_od, mask_m)
+    do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
+    delta = tl.reduce(o * do, 1, sum_combine)
     tl.store(delta_ptr + head * stride_eh + offs_m * stride_em, delta, mask=mask_m)
 
 
@@ -143,10 +149,8 @@ def mx_attention_bwd_dkdv_kernel(
 
     # Phase 2: load K and V once; both along head_dim, the contraction axis of
     # S^T = K Q^T and dP^T = V dO^T (the transposed products keep keys as rows).
-    k = load_rows(k_ptr + head * stride_kh, offs_n, stride_kn, offs_d, stride_kd, mask_n, 0.0)
-    k = k.to(tl.float32)
-    v = load_rows(v_ptr + head * stride_vh, offs_n, stride_vn, offs_d, stride_vd, mask_n, 0.0)
-    v = v.to(tl.float32)
+    k = _load_fp32(k_ptr + head * stride_kh, offs_n, stride_kn, offs_d, stride_kd, mask_n)
+    v = _load_fp32(v_ptr + head * stride_vh, offs_n, stride_vn, offs_d, stride_vd, mask_n)
     k_lhs, k_scale = k, None
     if MX_QK:
         k_lhs, k_scale = mx_lhs(k, BLOCK_N, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
@@ -165,11 +169,8 @@ def mx_attention_bwd_dkdv_kernel(
     for m0 in range(lo, S_Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < S_Q
-        q = load_rows(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m, 0.0)
-        q = q.to(tl.float32)
-        do = load_rows(
-            do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m, 0.0
-        ).to(tl.float32)
+        q = _load_fp32(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m)
+        do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
         lse2, delta = _load_row_stats(
             lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh, stride_em
         )
@@ -240,10 +241,8 @@ def mx_attention_bwd_dq_kernel(
 
     # Phase 2: load Q, dO and the row statistics once; Q and dO along head_dim, the
     # contraction axis of S = Q K^T and dP = dO V^T.
-    q = load_rows(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m, 0.0)
-    q = q.to(tl.float32)
-    do = load_rows(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m, 0.0)
-    do = do.to(tl.float32)
+    q = _load_fp32(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m)
+    do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
     lse2, delta = _load_row_stats(
         lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh, stride_em
     )
@@ -256,17 +255,11 @@ def mx_attention_bwd_dq_kernel(
     dq = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
 
     # Phase 3: walk over the key tiles these queries see (causal: up to the diagonal).
-    if CAUSAL:
-        hi = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
-    else:
-        hi = S_K
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, key_tiles_end(S_K, pid_m, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < S_K
-        k = load_rows(k_ptr + head * stride_kh, offs_n, stride_kn, offs_d, stride_kd, mask_n, 0.0)
-        k = k.to(tl.float32)
-        v = load_rows(v_ptr + head * stride_vh, offs_n, stride_vn, offs_d, stride_vd, mask_n, 0.0)
-        v = v.to(tl.float32)
+        k = _load_fp32(k_ptr + head * stride_kh, offs_n, stride_kn, offs_d, stride_kd, mask_n)
+        v = _load_fp32(v_ptr + head * stride_vh, offs_n, stride_vn, offs_d, stride_vd, mask_n)
         # P = exp2(S - lse) with S = Q K^T (queries x keys).
         p = _scores_and_probs(
             q_lhs, q_scale, k, lse2, offs_m, mask_m, offs_n, mask_n, qk_scale, True, CAUSAL,

@@ -281,3 +281,13 @@ def load_rows(ptr, offs_rows, stride_rows, offs_cols, stride_cols, mask_rows, ot
     """The tile ptr[offs_rows, offs_cols] (rows x cols); rows outside `mask_rows` read `other`."""
     ptrs = ptr + offs_rows[:, None] * stride_rows + offs_cols[None, :] * stride_cols
     return tl.load(ptrs, mask=mask_rows[:, None], other=other)
+
+
+@triton.jit
+def key_tiles_end(S_K, pid_m, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the keys the query tile pid_m attends to (causal: up to the diagonal)."""
+    if CAUSAL:
+        end = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
+    else:
+        end = S_K
+    return end
