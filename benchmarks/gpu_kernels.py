@@ -1,4 +1,4 @@
-"""Benchmark (and check) the generated MX Triton kernels.
+"""Benchmark (and check) the MX Triton kernels.
 
 On a GPU:
     python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s vs
@@ -9,6 +9,10 @@ On a GPU:
     python benchmarks/gpu_kernels.py --sizes 4096 8192
 On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this script):
     python benchmarks/gpu_kernels.py --tiny
+No GPU needed: compile every kernel and autotune config for sm90 and sm100 with a real launch's
+argument specialisation and report whether its main loop is software-pipelined (async copies or
+TMA into two or more shared-memory buffers):
+    python benchmarks/gpu_kernels.py --pipelining [90 100]
 
 Quantize traffic counts what a kernel must move: the input read once plus each written copy
 (FP8 data and uint8 scales). The copy baseline is `dst.copy_(src)` of the bf16 input (read +
@@ -20,10 +24,11 @@ also recomputes S and dP in its dQ kernel, which is not counted).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 def _parse() -> argparse.Namespace:
@@ -32,6 +37,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="check results against the numerics core")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--skip", nargs="*", default=[], choices=["quantize", "gemm", "attention"])
+    p.add_argument("--pipelining", type=int, nargs="*", metavar="SM",
+                   help="no GPU: main-loop pipelining per kernel and config (default: 90 100)")
     return p.parse_args()
 
 
@@ -73,7 +80,7 @@ def bench(fn: Callable[[], object], device: torch.device, reps: int) -> float:
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()  # warm-up (renders and loads the kernel)
+    fn()  # warm-up (loads and compiles the kernel)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -277,7 +284,79 @@ def bench_attention_backward(
             )
 
 
+def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
+    """(kernel, config, PipelineReport), one by one, of every kernel with a main loop and every autotune
+    config, compiled for `capability` at a large shape with a real launch's specialisation."""
+    from mxcompile.triton_templates.aot import compile_launch, pipeline_report
+    from mxcompile.triton_templates.attention import AttentionKey, attention_launch
+    from mxcompile.triton_templates.attention_backward import (
+        AttentionBackwardKey,
+        attention_backward_launch,
+    )
+    from mxcompile.triton_templates.configs import (
+        attention_autotune_configs,
+        attention_backward_autotune_configs,
+        mx_mm_autotune_configs,
+    )
+    from mxcompile.triton_templates.mx_gemm import MXMMKey, mx_mm_launch
+
+    meta = torch.device("meta")
+
+    def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=meta)
+
+    size, heads, seq, dim = 4096, 16, 4096, 128
+    fp8, u8, bf16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
+    a, sa = empty(size, size, dtype=fp8), empty(size, size // 32, dtype=u8)
+    sb = empty(size // 32, size, dtype=u8)
+    q, qs = empty(heads, seq, dim, dtype=fp8), empty(heads, seq, dim // 32, dtype=u8)
+    vs = empty(heads, seq // 32, dim, dtype=u8)
+    x, lse = empty(heads, seq, dim, dtype=bf16), empty(heads, seq, dtype=torch.float32)
+    gemm = functools.partial(mx_mm_launch, a, sa, a, sb, block_size=32, out_dtype=bf16,
+                             key=MXMMKey(), interpret=False)
+    forward = functools.partial(attention_launch, q, qs, q, qs, q, vs, key=AttentionKey(),
+                                sm_scale=0.1, causal=True, block_size=32, out_dtype=bf16,
+                                interpret=False)
+    backward = functools.partial(attention_backward_launch, x, x, x, x, x, lse,
+                                 key=AttentionBackwardKey(), sm_scale=0.1, causal=True,
+                                 mx_qk=True, mx_pv=True, block_size=32, interpret=False)
+    # (label, config, launcher taking tiles= and wrap=)
+    launches: list[tuple[str, object, Callable[..., object]]] = []
+    paths = [("dot_scaled", True)] + ([("hopper", False)] if capability < 100 else [])
+    for path, dot_scaled in paths:
+        launch = functools.partial(gemm, use_dot_scaled=dot_scaled)
+        launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs()]
+    launches += [("mx_attention_fwd_kernel", c, forward) for c in attention_autotune_configs()]
+    for name in ("dkdv", "dq"):
+        configs = attention_backward_autotune_configs(name)
+        launches += [(f"mx_attention_bwd_{name}_kernel", c, backward) for c in configs]
+    for label, config, launch in launches:
+        kernel_name = label.split(" ")[0]
+        (kernel,) = compile_launch(
+            lambda wrap, c=config, f=launch: f(tiles=c.kwargs, wrap=wrap), capability,
+            num_warps=config.num_warps, num_stages=config.num_stages, only=kernel_name,
+        )  # fmt: skip
+        tiles = " ".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in config.kwargs.items())
+        config_label = f"{tiles} w={config.num_warps} s={config.num_stages}"
+        yield label, config_label, pipeline_report(kernel)
+
+
+def report_pipelining(capabilities: list[int]) -> int:
+    print("main-loop pipelining, compiled without a GPU with a real launch's specialisation")
+    header = (f"{'sm':>4} {'kernel':34s} {'config (tiles, warps, stages)':40s} {'smem KiB':>8} "
+              f"{'cp.async':>8} {'TMA':>4} {'buffers':>7}  pipelined")
+    print(header)
+    for capability in capabilities:
+        for label, config, r in pipelining_rows(capability):
+            print(f"{capability:>4} {label:34s} {config:40s} {r.shared_bytes / 1024:8.1f} "
+                  f"{r.async_copies:8d} {r.tma_copies:4d} {r.buffers:7d}  "
+                  f"{'yes' if r.pipelined else 'NO'}", flush=True)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.pipelining is not None:
+        return report_pipelining(args.pipelining or [90, 100])
     if args.tiny:
         device = torch.device("cpu")
         sizes, seqs, reps, heads, dim = [64], [64], 2, 2, 32

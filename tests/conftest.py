@@ -19,23 +19,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture(scope="session")
-def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("mxcompile_triton_cache"))
-
-
 @pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch, kernel_cache_dir: str) -> Iterator[None]:
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run the Triton kernels on the CPU under the Triton interpreter, for one test.
 
     TRITON_INTERPRET is set per test (not for the whole process, where it would also turn
     Inductor's Triton kernels into interpreter code on a GPU machine): Triton 3.9 reads it when a
-    kernel is decorated, and the generated kernels use no `@jit` function of
+    kernel is decorated (when `mxcompile.triton_templates.loader` imports the kernel files), and
+    the kernels use no `@jit` function of
     `triton.language.standard` (decorated when triton is imported), so setting it after other
-    tests imported triton works. `triton_templates/test_template_render.py` checks this in a
+    tests imported triton works. `triton_templates/test_kernel_files.py` checks this in a
     subprocess that imports triton first."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MXCOMPILE_TRITON_CACHE_DIR", kernel_cache_dir)
     # The interpreter evaluates masked lanes too (numpy warns on exp overflow and 0/0 there).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -1,17 +1,21 @@
-"""Generated Triton kernels for MX: quantize (row-wise and/or column-wise in one read), MX GEMM
-with fused epilogues, and MX attention forward and backward.
+"""Triton kernels for MX: quantize (row-wise and/or column-wise in one read), MX GEMM with fused
+epilogues, and MX attention forward and backward.
 
-Modules: `render` (renderer + cache-dir loader), `common` (shared MX helpers: scale rules, FP8
-cast), `quantize`, `mx_gemm`, `attention`, `attention_backward` (templates, thin launchers,
-torch references), `configs` (every autotune config list), `ops` (`torch.library.triton_op`
-registrations and the `use_triton_kernels` graph hook), `aot` (compile a launch for sm90/sm100
-without a GPU).
+Modules:
+  kernels/            the `@triton.jit` kernels as plain Triton files (`kernels/mx_tile.py`
+                      holds the shared helpers: MX quantization of a tile, dot_scaled operand
+                      layouts, row-masked loads, named constants)
+  loader              imports `kernels/` once per mode (interpreter / compiled)
+  quantize, mx_gemm, attention, attention_backward
+                      thin launchers, the constexpr specialisation of each kernel, and the torch
+                      reference beside it, built from `mxcompile.numerics`
+  configs             every autotune config list, with its origin
+  common              triton-free tables (dot_scaled formats, cast strategies)
+  ops                 `torch.library.triton_op` registrations and the `use_triton_kernels` hook
+  aot                 compile a launch for sm90/sm100 without a GPU
 
-Kernels are rendered from templates for a specialisation key; the rendered source of any key
-is available (`quantize_kernel_source`, `mx_mm_kernel_source`, `mx_attention_kernel_source`;
-`rendered_sources()` lists those loaded in this process) and is written to a cache directory
-and imported from there. Every kernel has a torch reference beside it built from
-`mxcompile.numerics` (the single definition of MX numerics).
+Every variation of a kernel (element formats, scale mode, cast, epilogue ops, tiles) is a
+`tl.constexpr` meta-parameter: Triton specialises and caches a compiled kernel per value.
 
 Direct use (the public `kernel=` switch of mxcompile is wired by the caller):
     triton_available(device, elem=..., block_size=...) -> (ok, reason)
@@ -24,7 +28,7 @@ Each raises RuntimeError("the MX Triton kernels cannot run: <reason>") when trit
 says no, and ValueError for bad arguments, before anything reaches Triton.
 
 Running on the CPU needs TRITON_INTERPRET=1. Triton 3.9 reads it when a function is decorated:
-for our kernels when their module is loaded, so setting it in-process before the first call is
+for our kernels when `loader` imports them, so setting it in-process before the first call is
 enough (the kernels avoid triton.language.standard's `@jit` helpers, which are decorated at
 `import triton`). The interpreter is slow, and its bf16 conversions are inexact (fp32->bf16
 truncates; bf16 subnormals are mangled on upcast), which the kernels and tests account for.
@@ -47,9 +51,6 @@ __all__ = [
     "quantize_mx_triton",
     "quantize_mx_triton_rowcol",
     "triton_available",
-    "mx_attention_kernel_source",
-    "mx_mm_kernel_source",
-    "quantize_kernel_source",
     "rendered_sources",
 ]
 
@@ -61,7 +62,7 @@ _FP8_DTYPE_TO_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def _interpreting() -> bool:
-    from .render import interpreter_enabled
+    from .loader import interpreter_enabled
 
     return interpreter_enabled()
 
@@ -123,53 +124,16 @@ def _require(
         raise RuntimeError(f"the MX Triton kernels cannot run: {reason}")
 
 
-def quantize_kernel_source(
-    elem: str = "e4m3", scale_mode: str = "rceil", cast: str = "software"
-) -> str:
-    """Rendered Triton source of the quantize kernel for one specialisation."""
-    from .quantize import QuantizeKey
-    from .quantize import quantize_kernel_source as _source
-
-    return _source(QuantizeKey(elem_format(elem).name, _scale_mode(scale_mode).value, cast))
-
-
-def mx_mm_kernel_source(
-    a_elem: str = "e4m3",
-    b_elem: str = "e4m3",
-    epilogue: Sequence[str] | str | None = (),
-    out_elem: str = "e4m3",
-    out_scale_mode: str = "rceil",
-    cast: str = "software",
-) -> str:
-    """Rendered Triton source of the MX GEMM kernel for one specialisation."""
-    from .mx_gemm import MXMMKey, check_epilogue
-    from .mx_gemm import mx_mm_kernel_source as _source
-
-    return _source(
-        MXMMKey(a_elem, b_elem, check_epilogue(epilogue), out_elem, out_scale_mode, cast)
-    )
-
-
-def mx_attention_kernel_source(
-    elem: str = "e4m3", p_scale_mode: str = "rceil", cast: str = "software"
-) -> str:
-    """Rendered Triton source of the MX attention forward kernel for one specialisation."""
-    from .attention import AttentionKey
-    from .attention import mx_attention_kernel_source as _source
-
-    return _source(AttentionKey(elem_format(elem).name, _scale_mode(p_scale_mode).value, cast))
-
-
 _scale_mode = scale_mode
 
 
 def rendered_sources() -> dict[str, str]:
-    """Sources of the kernels rendered and loaded in this process ("<kernel>: <key>" -> source);
-    empty when no Triton kernel ran (e.g. CPU without TRITON_INTERPRET). Used by
-    `mxcompile inspect --kernels`."""
-    from .render import loaded_sources
+    """Sources of the kernel modules loaded in this process ("<module>" -> source); empty when
+    no Triton kernel ran (e.g. CPU without TRITON_INTERPRET). The name is the one
+    `mxcompile inspect --kernels` looks for (nothing is rendered: the kernels are plain files)."""
+    from .loader import loaded_kernel_sources
 
-    return loaded_sources()
+    return loaded_kernel_sources()
 
 
 def _check_tiles(tiles: dict[str, int] | None, needs: dict[str, int]) -> None:

@@ -1,31 +1,26 @@
-"""Compile the generated kernels for a GPU target without a GPU (ahead of time, to a cubin).
+"""Compile the Triton kernels for a GPU target without a GPU (ahead of time, to a cubin).
 
 The interpreter checks numerics; it does not check that a kernel compiles for a real target
 (layouts of `tl.dot_scaled`, FP8 `tl.dot`, reshapes, reductions, constexpr use). Triton can
 lower a kernel to PTX and a cubin with no device present, given a `GPUTarget`. `compile_launch`
 runs one of the launchers with `meta` tensors and a capturing `wrap`, so the argument list and
-meta-parameters are exactly the launcher's, and compiles what it would have launched.
+meta-parameters are exactly the launcher's, and compiles what it would have launched, with the
+argument specialisation a real launch gets. `pipeline_report` reads from the result whether a
+kernel's main loop is software-pipelined.
+
+Without that specialisation (no `tt.divisibility` on pointers and strides, unit strides not
+constant) Triton cannot prove loads 16-byte aligned and contiguous, and even a textbook matmul
+compiles to one shared-memory stage with no async copies: judge pipelining only as compiled here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-_TRITON_TYPES: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float8_e4m3fn: "fp8e4nv",
-    torch.float8_e5m2: "fp8e5",
-    torch.uint8: "u8",
-    torch.int8: "i8",
-    torch.int16: "i16",
-    torch.int32: "i32",
-}
-
 
 class _Capture:
     """Stands in for `wrap_triton`: records the launch instead of running it."""
@@ -46,37 +41,50 @@ class _Capture:
         return _Launcher()
 
 
-def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any]]:
+def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as a real launch computes them: Triton's own argument
+    specialisation (`native_specialize_impl`, the function `JITFunction.run` calls) marks
+    integers equal to 1 as constants and pointers and integers divisible by 16 with
+    `tt.divisibility = 16` (meta tensors stand for allocations, which are 16-byte aligned)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
     names = list(kernel.arg_names)
     values = dict(zip(names, args, strict=False))
     values.update(kwargs)
     constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
-    for name in names:
+    attrs: dict[tuple[int], list] = {}
+    for index, name in enumerate(names):
         value = values[name]
         if name in constexpr_names:
-            signature[name] = "constexpr"
-            constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
+            signature[name], constexprs[name] = "constexpr", value
+            continue
+        if not isinstance(value, (torch.Tensor, bool, int, float)):
             raise TypeError(f"argument {name}={value!r}: no Triton type for it")
-    return signature, constexprs
+        kind, key = native_specialize_impl(CUDABackend, value, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":  # an integer equal to 1 (a unit stride)
+            constexprs[name] = key
+        elif key:
+            attrs[(index,)] = CUDABackend.parse_attr(key)
+    return signature, constexprs, attrs
 
 
 def compile_launch(
-    launch: Callable[[Callable[[Any], Any]], object], capability: int, *, num_warps: int = 4
+    launch: Callable[[Callable[[Any], Any]], object],
+    capability: int,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    only: str | None = None,
 ) -> list[Any]:
     """Run `launch(wrap)` (a launcher call on meta tensors, with explicit tiles), then compile
-    every kernel it launched for CUDA `capability` (e.g. 90, 100). Returns the compiled kernels
-    (`.asm` holds ttir/ttgir/llir/ptx/cubin)."""
+    every kernel it launched for CUDA `capability` (e.g. 90, 100), specialised as a real launch
+    would be (see `_signature`). Returns the compiled kernels (`.asm` holds
+    ttir/ttgir/llir/ptx/cubin; `.metadata.shared` the shared-memory bytes). `only` compiles
+    just the launched kernel of that name (a launcher may launch several)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,13 +97,55 @@ def compile_launch(
     compiled = []
     for kernel, args, kwargs in capture.launches:
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        signature, constexprs = _signature(fn, args, kwargs)
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        compiled.append(
-            triton.compile(
-                source,
-                target=GPUTarget("cuda", capability, 32),
-                options={"num_warps": num_warps},
-            )
-        )
+        if only is not None and fn.__name__ != only:
+            continue
+        signature, constexprs, attrs = _signature(fn, args, kwargs)
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        target = GPUTarget("cuda", capability, 32)
+        compiled.append(triton.compile(source, target=target, options=options))
+    if not compiled:
+        raise ValueError(f"the launcher launched no kernel named {only!r}")
     return compiled
+
+
+# A shared-memory allocation in TTGIR: `ttg.local_alloc ... !ttg.memdesc<3x128x128xf8E4M3FN`.
+_LOCAL_ALLOC = re.compile(r"ttg\.local_alloc[^\n]*?!ttg\.memdesc<((?:\d+x)+)")
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """What the compiled code of one kernel says about its main loop.
+
+    async_copies: `cp.async` instructions (Ampere-style asynchronous global->shared copies,
+    their commits and waits; TMA excluded). tma_copies: `cp.async.bulk.tensor` (TMA)
+    instructions. buffers: the largest number of copies of one tile kept in shared memory (the
+    leading dimension of a multi-buffered allocation: num_stages - 1 or num_stages when the
+    pipeliner ran, 1 otherwise). shared_bytes: the kernel's shared memory."""
+
+    shared_bytes: int
+    async_copies: int
+    tma_copies: int
+    buffers: int
+
+    @property
+    def pipelined(self) -> bool:
+        """Loads issued asynchronously into at least two shared-memory buffers."""
+        return (self.async_copies > 0 or self.tma_copies > 0) and self.buffers >= 2
+
+
+def pipeline_report(kernel: Any) -> PipelineReport:
+    """Read a compiled kernel (from `compile_launch`) for signs of software pipelining."""
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    tma = ptx.count("cp.async.bulk.tensor")
+    buffers = [
+        int(dims.split("x")[0])
+        for dims in _LOCAL_ALLOC.findall(ttgir)
+        if dims.count("x") >= 3  # a stack of 2-D tiles (2-D and 1-D allocations are single)
+    ]
+    return PipelineReport(
+        shared_bytes=int(kernel.metadata.shared),
+        async_copies=ptx.count("cp.async.") - ptx.count("cp.async.bulk"),
+        tma_copies=tma,
+        buffers=max(buffers, default=1),
+    )

@@ -16,8 +16,9 @@ reference `mx_attention_reference(..., block_n=BLOCK_N)` replays the same algori
 with the numerics core's quantizer, and `mx_attention_exact` is plain fp32 attention on the
 dequantized Q, K, V.
 
-Template parameters: Q/K/V element formats; P's element format, scale mode and cast.
-`tl.constexpr`s: CAUSAL, STORE_LSE, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
+The kernel is `kernels/attention.py`; this module holds its launcher and references.
+`tl.constexpr`s: Q_ELEM, K_ELEM, V_ELEM; P's element format, scale mode and cast (P_ELEM,
+P_SCALE_MODE, CAST); CAUSAL, STORE_LSE, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
 Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k, D/bs),
 v (BH, S_k/bs, D). Causal masking is top-left aligned and needs S_q == S_k. With STORE_LSE the
 kernel also writes the row logsumexp (BH, S_q), which the backward (`attention_backward`)
@@ -29,170 +30,55 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from ..numerics.formats import elem_format, scale_mode
 from ..numerics.quantize import dequantize_along, quantize_along
-from .common import DOT_SCALED_FORMATS, MODULE_HEADER, TRITON_FP8_TYPES, render_mx_helpers
+from .common import check_cast
 from .configs import attention_autotune_configs, interpreter_attention_config
-from .render import load_source, render
+from .loader import kernel_module
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)  # scores in base 2: exp(x) = 2**(x * LOG2E)
+LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)
 class AttentionKey:
-    """Specialisation key of a rendered MX attention kernel. `elem` is the format of P (the
-    formats of Q, K and V come from their dtypes and are in `qkv_elems`)."""
+    """The constexpr specialisation of the MX attention forward kernel (Triton compiles one
+    kernel per value). `elem` is the format of P (the formats of Q, K and V come from their
+    dtypes and are in `qkv_elems`); validated on construction."""
 
     elem: str = "e4m3"
     scale_mode: str = "rceil"
     cast: str = "software"
     qkv_elems: tuple[str, str, str] = ("e4m3", "e4m3", "e4m3")
 
+    def __post_init__(self) -> None:
+        for elem in (self.elem, *self.qkv_elems):
+            elem_format(elem)
+        scale_mode(self.scale_mode)
+        check_cast(self.cast)
 
-_KERNEL = """\
-@triton.jit
-def mx_attention_fwd_kernel(
-    # Pointers: FP8 Q, K, V with their uint8 E8M0 scales; the output O; the fp32 logsumexp
-    # (natural log, one per query row; written only when STORE_LSE).
-    q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, v_ptr, v_scale_ptr, o_ptr, lse_ptr,
-    # Sizes; the softmax scale times log2(e) (scores in base-2 units)
-    S_Q, S_K, qk_scale,
-    # Strides (elements): head, row, column of each tensor
-    stride_qh, stride_qm, stride_qd, stride_qsh, stride_qsm, stride_qsd,
-    stride_kh, stride_kn, stride_kd, stride_ksh, stride_ksn, stride_ksd,
-    stride_vh, stride_vn, stride_vd, stride_vsh, stride_vsn, stride_vsd,
-    stride_oh, stride_om, stride_od, stride_lh, stride_lm,
-    # Meta-parameters
-    CAUSAL: tl.constexpr,
-    STORE_LSE: tl.constexpr,  # also write logsumexp = m + log(l), what the backward needs
-    HEAD_DIM: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # a multiple of SCALE_BLOCK
-):
-    # Phase 1: this program's query tile and head; 64-bit offsets.
-    pid_m = tl.program_id(axis=0).to(tl.int64)
-    head = tl.program_id(axis=1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_ds = tl.arange(0, HEAD_DIM // SCALE_BLOCK)
-    mask_m = offs_m < S_Q
-
-    # Phase 2: load the Q tile and its scales once.
-    q = tl.load(
-        q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=mask_m[:, None], other=0.0,
-    )
-    q_scale = tl.load(
-        q_scale_ptr + head * stride_qsh
-        + offs_m[:, None] * stride_qsm + offs_ds[None, :] * stride_qsd,
-        mask=mask_m[:, None], other=127,
-    )
-
-    # Phase 3: online softmax over key tiles, in base 2 (running integer max exponent m_i,
-    # denominator l_i, fp32 acc).
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
-    acc = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
-    else:
-        hi = S_K
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < S_K
-        # S = Q K^T: K^T tile (HEAD_DIM, BLOCK_N); its scales (BLOCK_N, HEAD_DIM // 32) are
-        # already in the layout dot_scaled wants for its right operand.
-        k_t = tl.load(
-            k_ptr + head * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=mask_n[None, :], other=0.0,
-        )
-        k_scale = tl.load(
-            k_scale_ptr + head * stride_ksh
-            + offs_n[:, None] * stride_ksn + offs_ds[None, :] * stride_ksd,
-            mask=mask_n[:, None], other=127,
-        )
-        s = tl.dot_scaled(q, q_scale, "${q_format}", k_t, k_scale, "${k_format}") * qk_scale
-        valid = mask_n[None, :] & mask_m[:, None]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        # Softmax statistics; a row with no valid key yet keeps m = -inf and p = 0. The running
-        # maximum is an integer (ceil), so alpha is an exact power of two and P's largest value
-        # lies in (1/2, 1]: P's MX rounding does not depend on BLOCK_N.
-        m_new = tl.maximum(m_i, tl.ceil(tl.reduce(s, 1, _mx_max_combine)))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.reduce(p, 1, _mx_sum_combine)
-        # P quantized along the key axis, in blocks of SCALE_BLOCK keys.
-        p_blocks = tl.reshape(p, (BLOCK_M, BLOCK_N // SCALE_BLOCK, SCALE_BLOCK))
-        p_data, p_scale = _mx_quantize_blocks(p_blocks, 2)
-        p_data = tl.reshape(p_data, (BLOCK_M, BLOCK_N)).to(${p_type}, bitcast=True)
-        # O += P V: V tile (BLOCK_N, HEAD_DIM); its scales loaded transposed,
-        # (HEAD_DIM, BLOCK_N // 32), as dot_scaled wants for its right operand.
-        v = tl.load(
-            v_ptr + head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=mask_n[:, None], other=0.0,
-        )
-        offs_nb = n0 // SCALE_BLOCK + tl.arange(0, BLOCK_N // SCALE_BLOCK)
-        v_scale = tl.load(
-            v_scale_ptr + head * stride_vsh
-            + offs_nb[None, :] * stride_vsn + offs_d[:, None] * stride_vsd,
-            mask=(offs_nb < S_K // SCALE_BLOCK)[None, :], other=127,
-        )
-        acc = acc * alpha[:, None]
-        acc = tl.dot_scaled(p_data, p_scale, "${p_format}", v, v_scale, "${v_format}", acc)
-        m_i = m_new
-
-    # Phase 4: normalise and store (a row that attended to no key gets 0, as in the CPU op).
-    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-    o_ptrs = o_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
-    if STORE_LSE:
-        # A row that attended to no key gets +inf (the backward then gives it P = 0).
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("inf"))
-        tl.store(lse_ptr + head * stride_lh + offs_m * stride_lm, lse, mask=mask_m)
-"""
+    def meta(self) -> dict[str, str]:
+        """The kernel's constexpr meta-parameters for this specialisation."""
+        q_elem, k_elem, v_elem = (elem_format(e).name for e in self.qkv_elems)
+        return {
+            "Q_ELEM": q_elem, "K_ELEM": k_elem, "V_ELEM": v_elem,
+            "P_ELEM": elem_format(self.elem).name,
+            "P_SCALE_MODE": scale_mode(self.scale_mode).value,
+            "CAST": self.cast,
+        }  # fmt: skip
 
 
 @functools.cache
-def mx_attention_kernel_source(key: AttentionKey) -> str:
-    """The rendered Triton source of the MX attention forward kernel for `key`."""
-    fmt = elem_format(key.elem)
-    q_elem, k_elem, v_elem = (elem_format(e).name for e in key.qkv_elems)
-    return (
-        render(MODULE_HEADER, key=repr(key))
-        + render_mx_helpers(fmt, scale_mode(key.scale_mode), key.cast)
-        + "\n\n"
-        + render(
-            _KERNEL,
-            q_format=DOT_SCALED_FORMATS[q_elem],
-            k_format=DOT_SCALED_FORMATS[k_elem],
-            v_format=DOT_SCALED_FORMATS[v_elem],
-            p_format=DOT_SCALED_FORMATS[fmt.name],
-            p_type=TRITON_FP8_TYPES[fmt.name],
-        )
-    )
-
-
-def mx_attention_module(key: AttentionKey, *, interpret: bool | None = None) -> ModuleType:
-    return load_source(mx_attention_kernel_source(key), "mx_attention", interpret=interpret)
-
-
-@functools.cache
-def _autotuned(key: AttentionKey, block_size: int) -> Any:
+def _autotuned(block_size: int) -> Any:
     import triton
 
     configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
-    kernel = mx_attention_module(key, interpret=False).mx_attention_fwd_kernel
-    tune_key = ["S_Q", "S_K", "HEAD_DIM", "CAUSAL", "STORE_LSE"]
+    kernel = kernel_module("attention", interpret=False).mx_attention_fwd_kernel
+    tune_key = ["S_Q", "S_K", *AttentionKey().meta(), "HEAD_DIM", "CAUSAL", "STORE_LSE"]
     return triton.autotune(configs=configs, key=tune_key)(kernel)
 
 
@@ -321,14 +207,15 @@ def attention_launch(
         return (triton.cdiv(s_q, meta["BLOCK_M"]), heads)
 
     meta: dict[str, Any] = {
-        "CAUSAL": causal, "STORE_LSE": store_lse, "HEAD_DIM": d, "SCALE_BLOCK": block_size,
+        **key.meta(), "CAUSAL": causal, "STORE_LSE": store_lse, "HEAD_DIM": d,
+        "SCALE_BLOCK": block_size,
     }  # fmt: skip
     if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
         return result
     if tiles is None and not interpret:
-        kernel = _autotuned(key, block_size)
+        kernel = _autotuned(block_size)
     else:
-        kernel = mx_attention_module(key, interpret=interpret).mx_attention_fwd_kernel
+        kernel = kernel_module("attention", interpret=interpret).mx_attention_fwd_kernel
         meta.update(tiles or interpreter_attention_config())
         if meta["BLOCK_N"] % block_size:
             raise ValueError(f"tiles['BLOCK_N'] must be a multiple of block_size={block_size}")
@@ -336,7 +223,7 @@ def attention_launch(
         kernel = wrap(kernel)
     kernel[grid](
         q, q_scale, k, k_scale, v, v_scale, out, lse,
-        s_q, s_k, sm_scale * _LOG2E,
+        s_q, s_k, sm_scale * LOG2E,
         *q.stride(), *q_scale.stride(), *k.stride(), *k_scale.stride(), *v.stride(),
         *v_scale.stride(), *out.stride(), *lse_strides,
         **meta,
@@ -402,7 +289,7 @@ def mx_attention_reference(
     log), as the kernel's STORE_LSE writes it."""
     qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s_all = _scores(qf, kf, sm_scale * _LOG2E, causal)
+    s_all = _scores(qf, kf, sm_scale * LOG2E, causal)
     fmt, mode = elem_format(p_elem), scale_mode(p_scale_mode)
     s_k = s_all.shape[-1]
     m = torch.full(s_all.shape[:-1], float("-inf"), device=s_all.device)
@@ -421,5 +308,5 @@ def mx_attention_reference(
         m = m_new
     out = torch.where(denom[..., None] > 0, acc / denom[..., None], 0.0).to(out_dtype)
     if return_lse:
-        return out, torch.where(denom > 0, (m + torch.log2(denom)) * _LN2, float("inf"))
+        return out, torch.where(denom > 0, (m + torch.log2(denom)) * LN2, float("inf"))
     return out

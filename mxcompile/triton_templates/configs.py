@@ -1,4 +1,4 @@
-"""Autotune configurations of the generated kernels: every config list comes from here.
+"""Autotune configurations of the Triton kernels: every config list comes from here.
 
 Origins:
   * GEMM: the eight entries under "Good config for fp8 inputs" in the Triton matmul tutorial

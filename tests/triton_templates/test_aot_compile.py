@@ -1,8 +1,10 @@
-"""The generated kernels compile for real GPU targets (to a cubin), with no GPU present.
+"""The Triton kernels compile for real GPU targets (to a cubin), with no GPU present.
 
 The interpreter tests check numerics; these check that the same sources lower for Hopper
 (sm90: FP8 wgmma, emulated dot_scaled) and Blackwell (sm100: native block-scaled MMA), through
-the launchers' own argument lists (run on `meta` tensors, launches captured)."""
+the launchers' own argument lists (run on `meta` tensors, launches captured), specialised as a
+real launch is (divisibility by 16, unit strides constant), which is what lets Triton pipeline
+the GEMM's K loop."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from mxcompile.numerics import E4M3, ScaleMode
-from mxcompile.triton_templates.aot import compile_launch
+from mxcompile.triton_templates.aot import _Capture, _signature, compile_launch, pipeline_report
 from mxcompile.triton_templates.attention import AttentionKey, attention_launch
 from mxcompile.triton_templates.attention_backward import (
     AttentionBackwardKey,
@@ -30,6 +32,30 @@ def compiled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device=META)
+
+
+def test_launch_specialisation_is_a_real_launchs() -> None:
+    """Unit strides become constants and 16-divisible pointers and sizes get tt.divisibility,
+    as `JITFunction.run` would give them; other integers stay plain."""
+    x = _empty(4096, 4096, dtype=torch.bfloat16)
+    x_t = _empty(4096, 4104, dtype=torch.bfloat16)[:, :4096]  # row stride 4104, not 16-divisible
+    capture = _Capture()
+    for t in (x, x_t):
+        quantize_launch(
+            t, rowwise=True, colwise=False, fmt=E4M3, mode=ScaleMode.RCEIL, block_size=32,
+            tiles={"BLOCK_M": 64, "BLOCK_N": 64}, interpret=False, wrap=capture,
+        )  # fmt: skip
+    signatures = []
+    for kernel, args, kwargs in capture.launches:
+        signature, constexprs, attrs = _signature(kernel, args, kwargs)
+        names = list(kernel.arg_names)
+        divisible = {names[i] for (i,), a in attrs.items() if a == [["tt.divisibility", 16]]}
+        signatures.append((signature, constexprs, divisible))
+    (sig, const, div), (sig_t, const_t, div_t) = signatures
+    assert sig["x_ptr"] == "*i16" and sig["stride_xn"] == "constexpr" and const["stride_xn"] == 1
+    assert {"x_ptr", "row_data_ptr", "M", "N", "stride_xm"} <= div
+    assert sig_t["stride_xm"] == "i32" and "stride_xm" not in div_t and "M" in div_t
+    assert const["ELEM"] == "e4m3" and const["SCALE_MODE"] == "rceil"
 
 
 @pytest.mark.parametrize("cast", ["software", "hardware"])
@@ -88,6 +114,9 @@ def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
         assert "wgmma" in ptx  # Hopper tensor-core MMA, for both paths
     else:
         assert "tcgen05.mma" in ptx  # Blackwell MMA: dot_scaled is native there
+    # The K loop is software-pipelined: async copies into 2 or 3 (num_stages) buffers.
+    report = pipeline_report(kernel)
+    assert report.pipelined and report.buffers >= 2 and report.async_copies > 0, report
 
 
 @pytest.mark.slow

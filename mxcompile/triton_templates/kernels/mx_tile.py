@@ -1,0 +1,293 @@
+"""Shared `@triton.jit` helpers: MX quantization of a tile (E8M0 scale bytes, FP8 bytes), the
+operand layouts `tl.dot_scaled` wants, row-masked tile loads, and the named constants.
+
+The helpers restate, in Triton on fp32 bit patterns, the rules of `mxcompile.numerics.scales`
+and `mxcompile.numerics.quantize` (the single definition of MX numerics); the tests check them
+bit for bit against those functions. The element format, scale mode and cast are `tl.constexpr`
+strings ("e4m3"/"e5m2", a `ScaleMode` value, "software"/"hardware"); the per-format constants
+come from `mxcompile.numerics.formats` through `triton.constexpr_function`s, evaluated when a
+kernel is specialised.
+
+Interpreter notes (TRITON_INTERPRET=1, Triton 3.9):
+  * a Python int on the left of `<<` with a `tl.constexpr` on the right fails there, so the
+    constants such shifts would build are computed in Python (`F32_SMALLEST_SUBNORMAL_BITS`, ...);
+  * no `@jit` function of triton.language.standard is called (tl.max, tl.sum, tl.zeros, tl.cdiv
+    are decorated when triton is imported, so they are compiled-mode functions in a process that
+    imported triton before setting TRITON_INTERPRET=1, and an interpreted kernel cannot call
+    them). Reductions are `tl.reduce` with the standard library's own combine functions, the
+    ones tl.max and tl.sum use: the interpreter recognises those and reduces with numpy (it runs
+    any other combine function element by element in Python, ~30x slower). The fallbacks below
+    serve a Triton without those private names.
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+from mxcompile.numerics import formats
+from mxcompile.triton_templates.common import exponent_bias
+
+# fp32 and E8M0 bit-level constants.
+F32_MANTISSA_BITS: tl.constexpr = tl.constexpr(formats.F32_MANTISSA_BITS)
+F32_MANTISSA_MASK: tl.constexpr = tl.constexpr(formats.F32_MANTISSA_MASK)
+F32_EXPONENT_MASK: tl.constexpr = tl.constexpr(formats.F32_EXPONENT_MASK)
+F32_EXPONENT_BIAS: tl.constexpr = tl.constexpr(127)
+F32_ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
+F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # the smallest non-finite |x| bits
+F32_QUIET_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+# 2**-127 (an fp32 subnormal): the mantissa's top bit alone.
+F32_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << (formats.F32_MANTISSA_BITS - 1))
+# Bits to drop, at most, when rounding an fp32 significand (keeps the shift below 31).
+F32_MAX_ROUNDING_SHIFT: tl.constexpr = tl.constexpr(30)
+E8M0_BIAS: tl.constexpr = tl.constexpr(formats.E8M0_BIAS)
+E8M0_MAX_BYTE: tl.constexpr = tl.constexpr(formats.E8M0_MAX_BYTE)
+E8M0_NAN: tl.constexpr = tl.constexpr(formats.E8M0_NAN)
+E8M0_ONE: tl.constexpr = tl.constexpr(formats.E8M0_BIAS)  # the scale byte of 1.0
+
+# Softmax in base 2: exp(x) = 2**(x * LOG2E); ln(y) = log2(y) * LN2.
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
+LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+
+
+# Per-element-format constants, from the numerics core, folded when a kernel is specialised.
+# (Triton lets a constexpr_function read global values, not call plain Python functions: the
+# tables are built here, at import.)
+_FORMATS = {fmt.name: fmt for fmt in (formats.E4M3, formats.E5M2)}
+_EXPONENT_BIAS = {name: exponent_bias(fmt) for name, fmt in _FORMATS.items()}
+_FP8_TYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+
+
+@triton.constexpr_function
+def elem_max(elem):
+    return _FORMATS[elem].max_normal
+
+
+@triton.constexpr_function
+def elem_reciprocal_max(elem):
+    """fp32(1 / max_normal), exact in fp32 (the rceil rule's multiplier)."""
+    return _FORMATS[elem].reciprocal_max_fp32
+
+
+@triton.constexpr_function
+def elem_emax(elem):
+    return _FORMATS[elem].emax
+
+
+@triton.constexpr_function
+def elem_mantissa_bits(elem):
+    return _FORMATS[elem].mantissa_bits
+
+
+@triton.constexpr_function
+def elem_dropped_bits(elem):
+    """fp32 mantissa bits an FP8 normal drops."""
+    return formats.F32_MANTISSA_BITS - _FORMATS[elem].mantissa_bits
+
+
+@triton.constexpr_function
+def elem_min_normal_exponent(elem):
+    """Unbiased exponent of the format's smallest normal (1 - bias)."""
+    return 1 - _EXPONENT_BIAS[elem]
+
+
+@triton.constexpr_function
+def elem_exponent_bias(elem):
+    return _EXPONENT_BIAS[elem]
+
+
+@triton.constexpr_function
+def elem_nan_byte(elem):
+    return _FORMATS[elem].nan_byte
+
+
+@triton.constexpr_function
+def even_rounding_increment(elem):
+    """Half a unit in the last place of the format's mantissa, on fp32 bits (scale mode even)."""
+    return 1 << (formats.F32_MANTISSA_BITS - _FORMATS[elem].mantissa_bits - 1)
+
+
+@triton.constexpr_function
+def fp8_type(elem):
+    return _FP8_TYPES[elem]
+
+
+@triton.jit
+def _max_combine_fallback(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine_fallback(a, b):
+    return a + b
+
+
+max_combine = getattr(tl.standard, "_elementwise_max", None) or _max_combine_fallback
+sum_combine = getattr(tl.standard, "_sum_combine", None) or _sum_combine_fallback
+
+
+@triton.jit
+def scale_bytes(amax, nonfinite, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """E8M0 scale byte (int32) of each block from its fp32 amax; E8M0_NAN where the block holds
+    a NaN or an Inf (`nonfinite`), else clamped to [0, E8M0_MAX_BYTE]."""
+    amax_bits = amax.to(tl.int32, bitcast=True)
+    if SCALE_MODE == "rceil":
+        # rceil: descale = amax * fp32(1/max), rounded up to a power of two.
+        descale_bits = (amax * elem_reciprocal_max(ELEM)).to(tl.int32, bitcast=True)
+        exponent = (descale_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        mantissa = descale_bits & F32_MANTISSA_MASK
+        normal = exponent + (mantissa != 0).to(tl.int32)
+        # A subnormal descale rounds up to 2**-126 (byte 1) only when it exceeds 2**-127.
+        subnormal = (mantissa > F32_SMALLEST_SCALE_BITS).to(tl.int32)
+        biased = tl.where(exponent == 0, subnormal, normal)
+    elif SCALE_MODE == "floor":
+        # floor: floor(log2(amax)) - emax.
+        exponent = (amax_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        biased = exponent - elem_emax(ELEM)
+    elif SCALE_MODE == "ceil":
+        # ceil: ceil(log2(amax)) - emax.
+        exponent = (amax_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        mantissa = amax_bits & F32_MANTISSA_MASK
+        biased = exponent + (mantissa != 0).to(tl.int32) - elem_emax(ELEM)
+    else:
+        tl.static_assert(SCALE_MODE == "even", "SCALE_MODE: rceil, floor, ceil or even")
+        # even: round amax half-up to the element's mantissa width (a carry bumps the
+        # exponent), then floor(log2) - emax.
+        rounded_bits = amax_bits + even_rounding_increment(ELEM)
+        exponent = (rounded_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        biased = exponent - elem_emax(ELEM)
+    biased = tl.minimum(tl.maximum(biased, 0), E8M0_MAX_BYTE)
+    return tl.where(nonfinite, E8M0_NAN, biased)
+
+
+@triton.jit
+def inverse_scale(scale_bytes):
+    """fp32 2**(127 - b) of each scale byte (2**-127, an fp32 subnormal, for b = 254)."""
+    bits = tl.where(
+        scale_bytes == E8M0_MAX_BYTE,
+        F32_SMALLEST_SCALE_BITS,
+        (2 * E8M0_BIAS - scale_bytes) << F32_MANTISSA_BITS,
+    )
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_fp32(scale_bytes):
+    """fp32 2**(b - 127) of each scale byte (2**-127 for b = 0, NaN for b = 255)."""
+    b = scale_bytes.to(tl.int32)
+    bits = tl.where(b == 0, F32_SMALLEST_SCALE_BITS, b << F32_MANTISSA_BITS)
+    bits = tl.where(b == E8M0_NAN, F32_QUIET_NAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_fp8_bytes(x, ELEM: tl.constexpr, CAST: tl.constexpr):
+    """FP8 byte (int32) of each fp32 value, already clamped to [-max, max]; round to nearest
+    even. CAST "hardware": cvt.rn.satfinite on sm89+. "software": integer arithmetic on the fp32
+    bits, exact everywhere; the interpreter needs it (its fp32->fp8 conversion rounds ties away
+    and drops the mantissa carry into the exponent)."""
+    if CAST == "hardware":
+        fp8 = x.to(fp8_type(ELEM), fp_downcast_rounding="rtne")
+        result = fp8.to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        tl.static_assert(CAST == "software", "CAST: software or hardware")
+        # Round-to-nearest-even on the fp32 bits; |x| <= max, so the result never overflows.
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        exponent = (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        # 24-bit significand with its implicit bit; an fp32 subnormal has exponent 1 and no
+        # implicit bit.
+        implicit_bit = (exponent > 0).to(tl.int32) << F32_MANTISSA_BITS
+        significand = (bits & F32_MANTISSA_MASK) | implicit_bit
+        unbiased = tl.maximum(exponent, 1) - F32_EXPONENT_BIAS
+        # Bits to drop: the mantissa difference, plus the distance below the FP8 normal range.
+        below = tl.maximum(elem_min_normal_exponent(ELEM) - unbiased, 0)
+        shift = tl.minimum(elem_dropped_bits(ELEM) + below, F32_MAX_ROUNDING_SHIFT)
+        kept = significand >> shift
+        rest = significand & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        round_up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+        kept = kept + round_up.to(tl.int32)
+        # Normal results: (biased exponent - 1) * 2**m + kept, where kept carries the implicit
+        # bit, so a rounding carry moves into the exponent field. Subnormal results: kept alone.
+        biased_less_one = tl.maximum(unbiased + elem_exponent_bias(ELEM) - 1, 0)
+        base = biased_less_one << elem_mantissa_bits(ELEM)
+        result = (sign << 7) | (base + kept)
+    return result
+
+
+@triton.jit
+def quantize_blocks(
+    x, AXIS: tl.constexpr, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, CAST: tl.constexpr
+):
+    """Quantize fp32 `x` in blocks along `AXIS` (a block per index of the other axes).
+
+    Returns (FP8 bytes of x's shape, scale bytes with AXIS reduced), both uint8.
+    """
+    # Phase 1: block amax, and non-finite blocks found with an integer test on the bits:
+    # Triton's max may drop NaN, so it cannot be trusted to propagate one.
+    bits = x.to(tl.int32, bitcast=True)
+    amax = tl.reduce(tl.abs(x), AXIS, max_combine)
+    nonfinite_lanes = ((bits & F32_ABS_MASK) >= F32_INF_BITS).to(tl.int32)
+    nonfinite = tl.reduce(nonfinite_lanes, AXIS, max_combine) > 0
+    # Phase 2: the E8M0 scale byte of each block.
+    scale = scale_bytes(amax, nonfinite, ELEM, SCALE_MODE)
+    # Phase 3: scale (exact power of two), clamp (makes the cast saturating), cast.
+    scaled = x * tl.expand_dims(inverse_scale(scale), AXIS)
+    scaled = tl.minimum(tl.maximum(scaled, -elem_max(ELEM)), elem_max(ELEM))
+    data = cast_fp8_bytes(scaled, ELEM, CAST)
+    # Every element of a NaN block is the format's positive NaN byte.
+    data = tl.where(tl.expand_dims(nonfinite, AXIS), elem_nan_byte(ELEM), data)
+    return data.to(tl.uint8), scale.to(tl.uint8)
+
+
+@triton.jit
+def mx_lhs(
+    x,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    ELEM: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CAST: tl.constexpr,
+):
+    """fp32 x (ROWS, COLS) as a left dot_scaled operand, in MX along COLS (its contraction
+    axis): FP8 data (ROWS, COLS) and uint8 scales (ROWS, COLS // SCALE_BLOCK)."""
+    blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
+    data, scale = quantize_blocks(blocks, 2, ELEM, SCALE_MODE, CAST)
+    return tl.reshape(data, (ROWS, COLS)).to(fp8_type(ELEM), bitcast=True), scale
+
+
+@triton.jit
+def mx_rhs(
+    x,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    ELEM: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CAST: tl.constexpr,
+):
+    """fp32 x (ROWS, COLS) as a right dot_scaled operand, in MX along ROWS (its contraction
+    axis): FP8 data (ROWS, COLS) and uint8 scales (COLS, ROWS // SCALE_BLOCK), the layout
+    dot_scaled wants."""
+    blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, COLS))
+    data, scale = quantize_blocks(blocks, 1, ELEM, SCALE_MODE, CAST)
+    return tl.reshape(data, (ROWS, COLS)).to(fp8_type(ELEM), bitcast=True), tl.trans(scale)
+
+
+@triton.jit
+def load_rows(ptr, offs_rows, stride_rows, offs_cols, stride_cols, mask_rows, other):
+    """The tile ptr[offs_rows, offs_cols] (rows x cols); rows outside `mask_rows` read `other`."""
+    ptrs = ptr + offs_rows[:, None] * stride_rows + offs_cols[None, :] * stride_cols
+    return tl.load(ptrs, mask=mask_rows[:, None], other=other)
+
+
+@triton.jit
+def key_tiles_end(S_K, pid_m, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the keys the query tile pid_m attends to (causal: up to the diagonal)."""
+    if CAUSAL:
+        end = tl.minimum(S_K, (pid_m + 1) * BLOCK_M)
+    else:
+        end = S_K
+    return end
