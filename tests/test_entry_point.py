@@ -20,3 +20,22 @@ def test_backend_is_found_without_importing_mxcompile():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["mxcompile.backend", "mxfp8_backend"]
+
+
+# The extras of pyproject's [dev] (and what they pull) that a plain `pip install .` lacks.
+DEV_ONLY_MODULES = ("transformers", "torchao", "hypothesis", "pytest")
+CLI_IMPORTS = """
+import sys
+import mxcompile.cli.main, mxcompile.cli.demo, mxcompile.cli.doctor, mxcompile.cli.measure_worker
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:]))))
+"""
+
+
+def test_cli_imports_no_development_package_nor_matplotlib():
+    """Every command's import chain works in a plain install: no [dev] package is imported, and
+    matplotlib only when profile draws (so --version, inspect and doctor start without it)."""
+    modules = (*DEV_ONLY_MODULES, "matplotlib")
+    result = subprocess.run([sys.executable, "-c", CLI_IMPORTS, *modules], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == []

@@ -3,6 +3,7 @@
     mxcompile demo      train the built-in GPT in MXFP8 and bf16 side by side
     mxcompile inspect   show what the mxfp8 backend does to a model
     mxcompile profile   time, memory and numerical error of mxfp8 against Inductor
+    mxcompile doctor    check this installation: versions, GPU, kernel paths, corpus, plotting
 
 Errors about the command line or the target print one line and exit with code 2; a failure
 inside the run prints one line and exits with code 1. `--debug` shows the traceback instead.
@@ -15,12 +16,12 @@ import sys
 from typing import Callable
 
 from .._version import __version__
-from . import demo, inspect_cmd, profile_cmd
+from . import demo, doctor, inspect_cmd, profile_cmd
 from .common import common_parent, make_console
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, CLIError, one_line, root_cause
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None], ...] = (
-    demo.add_parser, inspect_cmd.add_parser, profile_cmd.add_parser,
+    demo.add_parser, inspect_cmd.add_parser, profile_cmd.add_parser, doctor.add_parser,
 )
 
 

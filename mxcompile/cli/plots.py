@@ -1,16 +1,25 @@
-"""PNG plots of `mxcompile profile` (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of `mxcompile profile`, drawn with matplotlib's object-oriented API (a `Figure`
+saved straight to PNG: no pyplot, no GUI backend, no global matplotlib state).
+
+matplotlib is a runtime dependency, imported only when a plot is drawn: the other commands
+start without it, and `plotting_unavailable` lets `profile` and `doctor` report a missing or
+broken install as one line with the command that fixes it.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import matplotlib
+from ..profiling import GEMM_KINDS, LayerError, StepProfile
+from .errors import CLIError, one_line
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-from ..profiling import GEMM_KINDS, LayerError, StepProfile  # noqa: E402
+PLOTTING_MODULE = "matplotlib.figure"
+PLOTTING_INSTALL_HINT = "pip install matplotlib"
 
 MIB = 2**20
 DPI = 110
@@ -24,17 +33,38 @@ SQNR_PLOT = "sqnr.png"
 OPERATOR_PLOT = "operator_time.png"
 
 
-def _save(fig: "plt.Figure", path: Path) -> Path:
-    fig.tight_layout()
+def plotting_unavailable() -> str | None:
+    """Why the PNG plots cannot be drawn here (with the command that fixes it), or None."""
+    try:
+        importlib.import_module(PLOTTING_MODULE)
+    except ImportError as err:
+        return f"matplotlib cannot be imported ({one_line(err)}); install it with `{PLOTTING_INSTALL_HINT}`"
+    return None
+
+
+def require_plotting() -> None:
+    """Raise CLIError (exit code 2) before any work when the plots could not be drawn."""
+    reason = plotting_unavailable()
+    if reason is not None:
+        raise CLIError(f"mxcompile profile writes PNG plots, but {reason}")
+
+
+def _figure(size: tuple[float, float]) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=size, layout="tight")
+
+
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
     return path
 
 
 def memory_plot(profiles: dict[str, StepProfile], path: Path) -> tuple[Path, str]:
     """Tensor memory over one step per variant when the profiler recorded allocations, else a
     bar chart of the peak resident set per variant. Returns (path, what the plot shows)."""
-    fig, ax = plt.subplots(figsize=WIDE)
+    fig = _figure(WIDE)
+    ax = fig.subplots()
     if all(p.memory_timeline for p in profiles.values()):
         for name, profile in profiles.items():
             times = [t for t, _ in profile.memory_timeline]
@@ -58,7 +88,8 @@ def memory_plot(profiles: dict[str, StepProfile], path: Path) -> tuple[Path, str
 def sqnr_plot(layers: Sequence[LayerError], path: Path) -> Path:
     """Grouped bars: SQNR of each layer's output, input-gradient and weight-gradient GEMM."""
     width = max(MIN_LAYER_FIGURE_WIDTH, INCH_PER_LAYER * len(layers) * len(GEMM_KINDS) / 2)
-    fig, ax = plt.subplots(figsize=(width, WIDE[1] + 1))
+    fig = _figure((width, WIDE[1] + 1))
+    ax = fig.subplots()
     bar = BAR_GROUP_WIDTH / len(GEMM_KINDS)
     for i, kind in enumerate(GEMM_KINDS):
         xs, ys = [], []
@@ -79,7 +110,8 @@ def sqnr_plot(layers: Sequence[LayerError], path: Path) -> Path:
 def operator_plot(profiles: dict[str, StepProfile], path: Path) -> Path:
     """Horizontal grouped bars: self CPU time per operator class and variant in one step."""
     classes = sorted({c for p in profiles.values() for c in p.operator_classes})
-    fig, ax = plt.subplots(figsize=WIDE)
+    fig = _figure(WIDE)
+    ax = fig.subplots()
     bar = BAR_GROUP_WIDTH / max(len(profiles), 1)
     for i, (name, profile) in enumerate(profiles.items()):
         ys = [k + (i - (len(profiles) - 1) / 2) * bar for k in range(len(classes))]

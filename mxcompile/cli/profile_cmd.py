@@ -212,6 +212,7 @@ def _operator_class_table(profiles: dict[str, StepProfile]) -> Table:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    plots.require_plotting()
     config = config_from_overrides(args.config)
     target = load_target(args.target)
     out = _prepare_out(args.out)
