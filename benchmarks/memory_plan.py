@@ -14,7 +14,7 @@ For each model and budget fraction f:
   (planning, applying the plan, modelling the result) at run time; the report carries no time.
 * torch: ``torch.compile(model)`` (Inductor) with ``torch._functorch.config.activation_memory_budget = f``.
 
-How peaks are measured (:mod:`mxcompile.cost.measure`): every (backend, budget) runs in a fresh
+How peaks are measured (:mod:`mxcompile.measure.fresh_process`): every (backend, budget) runs in a fresh
 Python process with ``MALLOC_MMAP_THRESHOLD_`` set (large buffers come from mmap and go back
 to the OS on free); after compiling and warming up, the child resets its peak RSS (``5`` to
 ``/proc/self/clear_refs``), reads VmRSS, runs one forward+backward and loss (one compiled graph;
@@ -67,8 +67,8 @@ SYNTHETIC_LAYERS = 24
 PLAN_SOLVER = "auto"  # what the backend uses (the ILP for small problems, the heuristic for large)
 MONOTONE_TOLERANCE_BYTES = 2**20  # measured peaks may wobble by allocator noise
 MIB = 2**20
-MX_FACTORY = "mxcompile.cost.steps:mxfp8_budget_step"
-TORCH_FACTORY = "mxcompile.cost.steps:torch_budget_step"
+MX_FACTORY = "mxcompile.measure.steps:mxfp8_budget_step"
+TORCH_FACTORY = "mxcompile.measure.steps:torch_budget_step"
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _short(err: BaseException) -> str:
 
 
 def measure(factory: str, kwargs: dict[str, Any], *, warmup: int, steps: int) -> Measured:
-    from mxcompile.cost.steps import measure_step
+    from mxcompile.measure.steps import measure_step
 
     try:
         peak, timing = measure_step(factory, kwargs, warmup_steps=warmup, time_steps=steps)
@@ -166,7 +166,7 @@ def plan_for(model: str, fraction: float, batch_size: int) -> Planned:
 
     import mxcompile
     from mxcompile.config import MXConfig
-    from mxcompile.cost.steps import build_model
+    from mxcompile.measure.steps import build_model
 
     try:
         module, args = build_model(model, batch_size)

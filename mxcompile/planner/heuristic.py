@@ -577,9 +577,3 @@ class HeuristicPlanner:
         j = next(j for j, state in enumerate(candidates) if state.evaluation.peak_bytes <= budget_bytes)
         return self._improve(k, j)
 
-
-def solve_heuristic(
-    problem: Problem, *, tie_groups: TieGroups | None = None, tables: Tables | None = None
-) -> HeuristicSolution:
-    """The heuristic plan for ``problem.budget_bytes`` (see the module docstring)."""
-    return HeuristicPlanner(problem, tie_groups=tie_groups, tables=tables).plan(problem.budget_bytes)

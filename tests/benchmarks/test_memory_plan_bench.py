@@ -72,26 +72,3 @@ def test_memory_plan_benchmark_quick() -> None:
     assert "planner alone" in out and "24 layers" in out
     assert "total " in out
 
-
-def test_step_factories_reject_bad_arguments() -> None:
-    from mxcompile.cost import steps
-
-    with pytest.raises(ValueError, match="model="):
-        steps.build_model("gpt-huge")
-    with pytest.raises(ValueError, match="memory_budget="):
-        steps.mxfp8_budget_step("gpt-tiny", memory_budget=1.5)
-    with pytest.raises(ValueError, match="activation_memory_budget="):
-        steps.torch_budget_step("gpt-tiny", activation_memory_budget=0)
-    with pytest.raises(ValueError, match="lower="):
-        steps.torch_budget_step("gpt-tiny", lower="triton")
-    with pytest.raises(ValueError, match="factory="):
-        steps.measure_step("no_colon", time_steps=1)
-
-
-def test_time_step_counts_and_medians() -> None:
-    from mxcompile.cost.steps import time_step
-
-    calls = []
-    timing = time_step(lambda: calls.append(1), warmup_steps=2, time_steps=3)
-    assert len(calls) == 5
-    assert len(timing["times_s"]) == 3 and timing["median_s"] >= 0 and timing["first_s"] >= 0

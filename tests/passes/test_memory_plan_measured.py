@@ -15,7 +15,7 @@ import torch
 from mx_testing import eager_mxfp8_backend
 from mxcompile.backend import compile_graph
 from mxcompile.config import MXConfig
-from mxcompile.cost.measure import tensor_peak_bytes
+from mxcompile.measure.memory import tensor_peak_bytes
 from mxcompile.examples.gpt import LanguageModelLoss, gpt_factory, lm_loss
 from mxcompile.lowering import inductor_compiler
 from mxcompile.report import Report

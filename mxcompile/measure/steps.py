@@ -1,7 +1,7 @@
-"""Step factories for :func:`mxcompile.cost.measure.measure_step_peak`, and step timing in the
-same child process.
+"""Step factories for :func:`mxcompile.measure.fresh_process.measure_step_peak`, and step timing
+in the same child process.
 
-A factory is named ``"mxcompile.cost.steps:<function>"``; called in the measuring child with
+A factory is named ``"mxcompile.measure.steps:<function>"``; called in the measuring child with
 JSON keyword arguments, it returns a zero-argument callable that runs one forward+backward,
 gradients set to None first (so they count in the step's peak):
 
@@ -13,7 +13,8 @@ gradients set to None first (so they count in the step's peak):
   budgets, much faster to compile, slower and more memory-hungry steps): for smoke tests;
 * :func:`timed_step`: wraps any factory; compiles and warms it up, then times every further
   step into a JSON file. :func:`measure_step` measures the peak and the step time (median)
-  in one child and returns both; :func:`time_step` times a step in the current process.
+  in one child and returns both (:func:`mxcompile.measure.timing.time_step` times a step in
+  the current process).
 
 Models (:data:`MODELS`): ``"gpt-tiny"`` and ``"gpt-small"`` (:func:`mxcompile.examples.gpt.gpt_factory`)
 and ``"llama-small"`` (a small randomly initialised HF ``LlamaForCausalLM``; needs
@@ -22,15 +23,18 @@ and ``"llama-small"`` (a small randomly initialised HF ``LlamaForCausalLM``; nee
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 from ..examples._common import check_choice, check_positive_int
+from .fresh_process import DEFAULT_TIMEOUT_S, factory_parts, measure_step_peak, resolve_factory
+from .memory import Step
 
 MODELS = ("gpt-tiny", "gpt-small", "llama-small")
 LOWERINGS = ("inductor", "eager")
@@ -42,8 +46,6 @@ DEFAULT_SEED = 0
 LLAMA_SMALL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
 LLAMA_SEQ = 128
-
-Step = Callable[[], None]
 
 
 def _check_fraction(name: str, value: Any) -> None:
@@ -107,10 +109,14 @@ def build_model(model: str, batch_size: int = DEFAULT_BATCH_SIZE) -> tuple[Any, 
     return _loss_module(inner), (ids,)
 
 
-def _train_step(module: Any, compiled: Any, args: tuple[Any, ...]) -> Step:
+def _train_step(module: Any, compiled: Any, args: tuple[Any, ...],
+                during: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Step:
+    """A step that sets ``module``'s grads to None and runs ``compiled(*args).backward()``,
+    inside ``during()`` (e.g. a config patch that must hold while the step compiles)."""
     def step() -> None:
-        module.zero_grad(set_to_none=True)
-        compiled(*args).backward()
+        with during():
+            module.zero_grad(set_to_none=True)
+            compiled(*args).backward()
 
     return step
 
@@ -119,7 +125,7 @@ def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float |
                       batch_size: int = DEFAULT_BATCH_SIZE, lower: str = "inductor") -> Step:
     """One forward+backward of ``model`` compiled with the default backend (Inductor) and
     ``torch._functorch.config.activation_memory_budget = activation_memory_budget`` (None
-    leaves torch's default, 1.0). Sets the global config: meant for a fresh child process.
+    leaves torch's default, 1.0), patched only while a step runs (the first step compiles).
     ``lower="eager"`` uses ``aot_eager_decomp_partition`` instead (the same min-cut
     partitioner and budget, no Inductor code generation: fast to compile, for smoke tests)."""
     _check_fraction("activation_memory_budget", activation_memory_budget)
@@ -127,11 +133,13 @@ def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float |
     import torch
     import torch._functorch.config as functorch_config
 
-    if activation_memory_budget is not None:
-        functorch_config.activation_memory_budget = float(activation_memory_budget)
     module, args = build_model(model, batch_size)
     backend = "inductor" if lower == "inductor" else "aot_eager_decomp_partition"
-    return _train_step(module, torch.compile(module, backend=backend), args)
+    compiled = torch.compile(module, backend=backend)
+    if activation_memory_budget is None:
+        return _train_step(module, compiled, args)
+    budget = functools.partial(functorch_config.patch, activation_memory_budget=float(activation_memory_budget))
+    return _train_step(module, compiled, args, during=budget)
 
 
 def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = None,
@@ -158,39 +166,6 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = Non
     return _train_step(module, compiled, args)
 
 
-def _resolve_name(factory: str) -> tuple[str, str]:
-    if not isinstance(factory, str) or ":" not in factory:
-        raise ValueError(f"factory={factory!r}: give 'package.module:function'")
-    module_name, _, function_name = factory.partition(":")
-    return module_name, function_name
-
-
-def _resolve(factory: str) -> Callable[..., Step]:
-    import importlib
-
-    module_name, function_name = _resolve_name(factory)
-    return getattr(importlib.import_module(module_name), function_name)
-
-
-def time_step(step: Step, *, warmup_steps: int = 1, time_steps: int = 5) -> dict[str, Any]:
-    """Run ``step`` ``warmup_steps`` times (the first compiles), then ``time_steps`` times;
-    returns ``{"first_s", "warmup_s", "median_s", "times_s"}`` (wall seconds)."""
-    check_positive_int("warmup_steps", warmup_steps)
-    check_positive_int("time_steps", time_steps)
-    started = time.perf_counter()
-    step()
-    first = time.perf_counter() - started
-    for _ in range(warmup_steps - 1):
-        step()
-    warm = time.perf_counter() - started
-    times = []
-    for _ in range(time_steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"first_s": first, "warmup_s": warm, "median_s": statistics.median(times), "times_s": times}
-
-
 def timed_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, *, timing_path: str,
                warmup_steps: int = 1, max_timed: int | None = None) -> Step:
     """A factory wrapping ``factory`` that times its steps in the same child.
@@ -205,7 +180,7 @@ def timed_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, *,
     check_positive_int("warmup_steps", warmup_steps)
     if max_timed is not None:
         check_positive_int("max_timed", max_timed)
-    step = _resolve(factory)(**dict(factory_kwargs or {}))
+    step = resolve_factory(factory)(**dict(factory_kwargs or {}))
     started = time.perf_counter()
     step()
     timing: dict[str, Any] = {"first_s": time.perf_counter() - started}
@@ -236,7 +211,7 @@ def measure_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, 
     """Time and measure one step factory in one fresh process: ``(PeakMeasurement, timing)``.
 
     The child builds the step and runs ``warmup_steps`` untimed steps (the first compiles);
-    then :func:`~mxcompile.cost.measure.measure_step_peak` runs ``time_steps`` more steps (its
+    then :func:`~mxcompile.measure.fresh_process.measure_step_peak` runs ``time_steps`` more steps (its
     warmup) and the measured one, all timed (any later step it runs, e.g. under the profiler
     for the tensor-storage peak, is not). ``timing`` holds ``first_s`` (build excluded:
     compile + first step), ``warmup_s``, ``times_s`` (``time_steps + 1`` values) and
@@ -244,10 +219,8 @@ def measure_step(factory: str, factory_kwargs: Mapping[str, Any] | None = None, 
     mmapped and returned on free), so times compare between factories measured this way,
     not with an ordinary process.
     """
-    from .measure import DEFAULT_TIMEOUT_S, measure_step_peak
-
     check_positive_int("time_steps", time_steps)
-    _resolve_name(factory)
+    factory_parts(factory)
     handle, path = tempfile.mkstemp(prefix="mxcompile-step-timing-", suffix=".json")
     os.close(handle)
     try:
@@ -274,7 +247,6 @@ __all__ = [
     "llama_small",
     "measure_step",
     "mxfp8_budget_step",
-    "time_step",
     "timed_step",
     "torch_budget_step",
 ]

@@ -1,4 +1,4 @@
-"""mxcompile.profiling: SQNR, block statistics, per-layer errors, operator classes."""
+"""mxcompile.profiling.layer_error: SQNR, block statistics, per-layer errors."""
 
 from __future__ import annotations
 
@@ -11,14 +11,7 @@ from torch import nn
 import mxcompile
 from mxcompile.examples import get_example
 from mxcompile.numerics import E4M3
-from mxcompile.profiling import (
-    OTHER_OPERATOR_CLASS,
-    StepProfile,
-    block_stats,
-    classify_operator,
-    linear_errors,
-    sqnr_db,
-)
+from mxcompile.profiling.layer_error import block_stats, linear_errors, sqnr_db
 
 BLOCK = 32
 
@@ -72,29 +65,6 @@ def test_linear_errors_without_report_checks_divisibility() -> None:
     kinds = {g.kind: g for g in layers[0].gemms}
     assert kinds["output"].status == "not_divisible"
     assert kinds["weight_grad"].status == "measured"
-
-
-@pytest.mark.parametrize(
-    ("name", "op_class"),
-    [("aten::mm", "GEMM"), ("graph_0_cpp_fused__to_copy_gelu_1", "Inductor fused kernels"),
-     ("cpp_fused_0", "Inductor fused kernels"), ("aten::_to_copy", "copies and casts"),
-     ("## Call CompiledFxGraph abc ##", "compiled-graph and autograd overhead"),
-     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
-     ("mxcompile::attention", "mxcompile custom ops (not fused)"), ("aten::sum", OTHER_OPERATOR_CLASS)],
-)
-def test_classify_operator(name: str, op_class: str) -> None:
-    assert classify_operator(name) == op_class
-
-
-def test_step_profile_flags_noisy_timings() -> None:
-    def profile(times: list[float]) -> StepProfile:
-        return StepProfile("inductor", True, 1.0, times, None, None, [], [], {})
-
-    assert profile([0.010, 0.011, 0.040]).noisy
-    busy = StepProfile("mxfp8", True, 1.0, [0.01], None, None, [], [], {}, load_average=4.2, cpu_count=2)
-    assert busy.machine_busy and not profile([0.01]).machine_busy
-    quiet = profile([0.010, 0.011, 0.012])
-    assert not quiet.noisy and quiet.min_step_s == 0.010 and quiet.median_step_s == 0.011
 
 
 def test_all_zero_blocks_do_not_widen_the_scale_range() -> None:

@@ -8,12 +8,12 @@ reset. So the step runs in a child process that
    returns them to the OS on free (otherwise freed memory stays resident and VmHWM never
    falls back);
 2. builds the step, runs it ``warmup_steps`` times (compilation, lazy allocations);
-3. on CPU writes ``5`` to ``/proc/self/clear_refs`` (resets VmHWM to the current RSS), reads
-   VmRSS, runs the step once and reads VmHWM from ``/proc/self/status``; then runs one more
-   step under ``torch.profiler`` with ``profile_memory=True``, whose allocator events give the
-   peak of live tensor storage the step allocated (what the planner models; the RSS also holds
-   allocator slack and fragmentation, which at small sizes is a large part). On CUDA it resets
-   and reads ``torch.cuda.max_memory_allocated`` (tensor storage already).
+3. on CPU measures the peak resident set of one step (:func:`mxcompile.measure.memory.rss_peak`:
+   VmHWM reset through ``/proc/self/clear_refs``), then runs one more step under
+   ``torch.profiler`` for the peak of live tensor storage the step allocated
+   (:func:`mxcompile.measure.memory.tensor_peak_bytes`: what the planner models; the RSS also
+   holds allocator slack and fragmentation, which at small sizes is a large part). On CUDA it
+   resets and reads ``torch.cuda.max_memory_allocated`` (tensor storage already).
 
 The step comes from a factory named ``"package.module:function"``: called in the child with
 ``factory_kwargs`` (JSON values), it returns a zero-argument callable that runs one step.
@@ -26,15 +26,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-MMAP_THRESHOLD_BYTES = 65536  # glibc: allocations at least this large use mmap (freed to the OS)
+from .memory import MALLOC_MMAP_THRESHOLD_BYTES, rss_peak, tensor_peak_bytes
+
 DEFAULT_TIMEOUT_S = 600.0
-KIB = 1024
-CLEAR_REFS_RESET_HWM = "5"  # /proc/<pid>/clear_refs: "5" resets the peak RSS (VmHWM)
 RESULT_MARKER = "MXCOMPILE_PEAK_RESULT "
 
 
@@ -61,42 +58,30 @@ class PeakMeasurement:
         return self.peak_bytes - self.before_bytes
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * KIB
-    raise RuntimeError(f"/proc/self/status has no {field} line; peak measurement needs Linux procfs")
+def factory_parts(factory: str) -> tuple[str, str]:
+    """(module, function) of a factory named ``"package.module:function"``.
+
+    Raises:
+        ValueError: ``factory`` is not a string of that form.
+    """
+    if not isinstance(factory, str) or ":" not in factory:
+        raise ValueError(f"factory={factory!r}: give 'package.module:function'")
+    module_name, _, function_name = factory.partition(":")
+    return module_name, function_name
 
 
-def tensor_peak_bytes(step: Callable[[], None]) -> int:
-    """Peak bytes of CPU tensor storage that ``step()`` holds at once above the lowest level
-    it starts from (torch.profiler's allocator events)."""
-    from torch.profiler import ProfilerActivity, profile
+def resolve_factory(factory: str) -> Callable[..., Callable[[], None]]:
+    """The step factory named ``"package.module:function"`` (imported)."""
+    import importlib
 
-    from ..profiling import memory_timeline
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory(prefix="mxcompile-peak-") as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        totals = [0] + [allocated for _, allocated in memory_timeline(trace)]
-    # Counted from the level before the step. The step may first free blocks it did not
-    # allocate (the previous gradients; reported only if allocated under a profiler): the
-    # peak is measured from the lowest level reached before it, as the planner's model
-    # starts a step with the gradients already dropped.
-    peak_at = max(range(len(totals)), key=totals.__getitem__)
-    return totals[peak_at] - min(totals[: peak_at + 1])
+    module_name, function_name = factory_parts(factory)
+    return getattr(importlib.import_module(module_name), function_name)
 
 
 def _child(spec: Mapping[str, Any]) -> dict[str, Any]:
-    import importlib
-
     import torch
 
-    module_name, _, function_name = spec["factory"].partition(":")
-    step = getattr(importlib.import_module(module_name), function_name)(**spec["kwargs"])
+    step = resolve_factory(spec["factory"])(**spec["kwargs"])
     for _ in range(spec["warmup_steps"]):
         step()
     if spec["device"] == "cuda":
@@ -107,12 +92,9 @@ def _child(spec: Mapping[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         return {"device": "cuda", "peak_bytes": peak, "before_bytes": before, "tensor_peak_bytes": peak - before}
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write(CLEAR_REFS_RESET_HWM)
-    before = _status_bytes("VmRSS")
-    step()
-    peak = _status_bytes("VmHWM")
-    return {"device": "cpu", "peak_bytes": peak, "before_bytes": before, "tensor_peak_bytes": tensor_peak_bytes(step)}
+    peak = rss_peak(step)
+    return {"device": "cpu", "peak_bytes": peak.peak_bytes, "before_bytes": peak.before_bytes,
+            "tensor_peak_bytes": tensor_peak_bytes(step)}
 
 
 def measure_step_peak(
@@ -129,16 +111,15 @@ def measure_step_peak(
         ValueError: bad arguments, naming the argument.
         RuntimeError: the child failed; the message carries its stderr tail.
     """
-    if ":" not in factory:
-        raise ValueError(f"factory={factory!r}: give 'package.module:function'")
+    factory_parts(factory)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is not accepted; accepted: ['cpu', 'cuda']")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
         raise ValueError(f"warmup_steps={warmup_steps!r}: give an int >= 1 (the first step compiles)")
     spec = {"factory": factory, "kwargs": dict(factory_kwargs or {}), "device": device, "warmup_steps": warmup_steps}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD_BYTES))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD_BYTES))
     code = (
-        "import json, sys; from mxcompile.cost.measure import _child, RESULT_MARKER; "
+        f"import json, sys; from {__name__} import _child, RESULT_MARKER; "
         "print(RESULT_MARKER + json.dumps(_child(json.loads(sys.argv[1]))))"
     )
     done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True,
@@ -152,28 +133,3 @@ def measure_step_peak(
     return PeakMeasurement(result["device"], int(result["peak_bytes"]), int(result["before_bytes"]),
                            int(result["tensor_peak_bytes"]))
 
-
-def gpt_train_step(size: str = "tiny", memory_budget: float | int | None = None, batch_size: int = 8,
-                   backend: str = "inductor") -> Any:
-    """A step factory for :func:`measure_step_peak`: one forward+backward of an example GPT
-    and its loss, compiled together with the mxfp8 backend (``backend="eager"`` skips
-    Inductor), grads set to None first so that they count in the step's peak."""
-    import functools
-
-    import torch
-
-    from ..backend import compile_graph
-    from ..config import MXConfig
-    from ..examples.gpt import LanguageModelLoss, gpt_factory
-    from ..lowering import eager_compiler, inductor_compiler
-
-    model, (idx,) = gpt_factory(size, batch_size=batch_size)
-    lower = eager_compiler if backend == "eager" else inductor_compiler
-    compiled = torch.compile(LanguageModelLoss(model), backend=functools.partial(
-        compile_graph, config=MXConfig(memory_budget=memory_budget), lower=lower))
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        compiled(idx).backward()
-
-    return step
