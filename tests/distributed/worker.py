@@ -28,6 +28,8 @@ from mxcompile.examples.gpt import GPT, gpt_factory, lm_loss
 from mxcompile.lowering import eager_compiler, inductor_compiler
 from mxcompile.report import Report
 
+import usage_scenarios  # this folder: torchrun puts the script's folder on sys.path
+
 MODEL_SIZE = "tiny"
 STEPS = 3
 BATCH_PER_RANK = 2
@@ -42,7 +44,7 @@ OCTAVES = 24  # more than e4m3's range below a block maximum (about 17 octaves)
 ROW_STRIDE, COL_STRIDE = 7, 5  # coprime with OCTAVES: every residue appears within a block
 _BLOCK_PREFIX = re.compile(r"^blocks\.\d+\.")
 
-SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather")
+SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather", "usages", "llama")
 
 
 def make_backend(config: MXConfig, report: Report, lowering: str) -> Callable[..., Any]:
@@ -301,6 +303,10 @@ def main() -> None:
             result = run_tp(batches, args.lowering)
         elif name == "tp_misaligned":
             result = run_tp_misaligned(args.lowering)
+        elif name == "usages":
+            result = usage_scenarios.run_usages(lambda config, report: make_backend(config, report, args.lowering))
+        elif name == "llama":
+            result = usage_scenarios.run_llama(lambda config, report: make_backend(config, report, args.lowering))
         else:
             result = run_all_gather()
         if "grads" in result:
