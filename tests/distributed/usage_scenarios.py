@@ -250,3 +250,50 @@ def run_llama(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[str, 
                  "plan": sorted(plan), "problems": [str(p) for p in problems],
                  "converted": sum(d.decision == "mxfp8" for d in report.decisions)}
     return out
+
+
+LLAMA_PLAN_PATTERNS = ("model.layers.*.self_attn.[qkv]_proj", "model.layers.*.self_attn.o_proj",
+                       "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj", "model.layers.*.mlp.down_proj")
+MESH_2D = (2, 2)  # (dp, tp)
+
+
+def _llama_tp_plan(model: nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from mxcompile.distributed import tensor_parallel_plan
+
+    colwise, rowwise = ColwiseParallel(), RowwiseParallel()
+    styles = [colwise, rowwise, colwise, colwise, rowwise]
+    return tensor_parallel_plan(model, dict(zip(LLAMA_PLAN_PATTERNS, styles, strict=True)))
+
+
+def run_llama_2d(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[str, Any]:
+    """HF Llama on a (dp=2, tp=2) mesh of 4 ranks: `parallelize_module` over tp, then
+    `fully_shard` over dp (MX all-gather requested), against one process on the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mxcompile.distributed import fully_shard, parallelize_module
+
+    if dist.get_world_size() != MESH_2D[0] * MESH_2D[1]:
+        raise SystemExit(f"llama_2d needs {MESH_2D[0] * MESH_2D[1]} ranks, got {dist.get_world_size()}")
+    mesh = init_device_mesh("cpu", MESH_2D, mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    batches = _llama_batches(MESH_2D[0])
+
+    torch._dynamo.reset()
+    model = _llama()
+    reference = _llama_train(_logits(torch.compile(model, backend=make_backend(MXConfig(), Report({})))), model,
+                             list(batches), mean_over_ranks=False)
+
+    torch._dynamo.reset()
+    report = Report({})
+    model = _llama()
+    problems = parallelize_module(model, mesh["tp"], _llama_tp_plan(model))
+    config = MXConfig(fsdp_all_gather="mxfp8")
+    result = fully_shard(model, mesh["dp"], config=config, backend=make_backend(config, report))
+    rows = slice(dp_rank * LLAMA_BATCH_PER_RANK, (dp_rank + 1) * LLAMA_BATCH_PER_RANK)
+    run = _llama_train(_logits(model), model, [b[rows] for b in batches], mean_over_ranks=True)
+    return {"reference_losses": reference["losses"], "losses": run["losses"],
+            "grads_rel_err": _rel_err(run["grads"], reference["grads"]),
+            "problems": [str(p) for p in problems], "all_gather": dict(result.all_gather),
+            "converted": sum(d.decision == "mxfp8" for d in report.decisions)}

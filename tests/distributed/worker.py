@@ -45,6 +45,7 @@ ROW_STRIDE, COL_STRIDE = 7, 5  # coprime with OCTAVES: every residue appears wit
 _BLOCK_PREFIX = re.compile(r"^blocks\.\d+\.")
 
 SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather", "usages", "llama")
+SCENARIOS_4_RANKS = ("llama_2d",)  # run only when asked: --nproc-per-node 4 --scenarios llama_2d
 
 
 def make_backend(config: MXConfig, report: Report, lowering: str) -> Callable[..., Any]:
@@ -281,9 +282,9 @@ def main() -> None:
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    unknown = sorted(set(scenarios) - set(SCENARIOS) - set(SCENARIOS_4_RANKS))
     if unknown:
-        raise SystemExit(f"unknown scenarios {unknown}; known: {list(SCENARIOS)}")
+        raise SystemExit(f"unknown scenarios {unknown}; known: {list(SCENARIOS + SCENARIOS_4_RANKS)}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     batches = token_batches(dist.get_world_size())
@@ -305,6 +306,8 @@ def main() -> None:
             result = run_tp_misaligned(args.lowering)
         elif name == "usages":
             result = usage_scenarios.run_usages(lambda config, report: make_backend(config, report, args.lowering))
+        elif name == "llama_2d":
+            result = usage_scenarios.run_llama_2d(lambda config, report: make_backend(config, report, args.lowering))
         elif name == "llama":
             result = usage_scenarios.run_llama(lambda config, report: make_backend(config, report, args.lowering))
         else:
