@@ -35,7 +35,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
-import torch
 from torch import nn
 
 __all__ = ["Usage", "UncompiledLinear", "uncompiled_linears", "warn_uncompiled"]
