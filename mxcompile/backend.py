@@ -23,6 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from .config import MXConfig
+from .coverage import warn_uncompiled
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
@@ -178,6 +179,8 @@ def compile(model: Any, config: MXConfig | None = None, **torch_compile_kwargs: 
     config = config if config is not None else MXConfig()
     if not isinstance(config, MXConfig):
         raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    if isinstance(model, torch.nn.Module):  # layers dynamo would never trace: say so now
+        warn_uncompiled(model, compiled=True)
     backend = functools.partial(mxfp8_backend, config=config)
     backend.__name__ = "mxfp8"  # type: ignore[attr-defined]
     return torch.compile(model, backend=backend, **torch_compile_kwargs)

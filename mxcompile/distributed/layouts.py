@@ -1,13 +1,16 @@
 """Distributed layouts of the built-in GPT that train with `backend="mxfp8"`, and the check
 that a tensor-parallel layout keeps MX blocks inside shards.
 
-* DDP: `DistributedDataParallel(model)` then `torch.compile(..., backend="mxfp8")`. Nothing
-  to do: DDP's all-reduces run in autograd hooks outside the compiled graph, which is the
-  single-process graph on the local batch (DDPOptimizer splits it only at bucket boundaries).
-* FSDP2: `shard_gpt_fsdp2` (fully_shard per block, on the LM head and on the root), then
-  `compile_fsdp2`. FSDP2's hooks are `torch._dynamo.disable`d, so they run outside the
+* DDP: `DistributedDataParallel(torch.compile(model, backend="mxfp8"))`. DDP's all-reduces
+  run in autograd hooks outside the compiled graph, which is the single-process graph on the
+  local batch. `torch.compile(DDP(model))` compiles only models whose forward is user code
+  (the built-in GPT): DDP's forward graph-breaks before calling the model, and dynamo does
+  not trace a torch.nn forward that starts a frame (`mxcompile.coverage`).
+* FSDP2: `shard_gpt_fsdp2` (`fsdp.fully_shard` per block, on the LM head and on the root),
+  then `compile_fsdp2`. FSDP2's hooks are `torch._dynamo.disable`d, so they run outside the
   compiled graphs, which see the unsharded parameters as plain inputs.
-* Tensor parallelism: `gpt_tensor_parallel_plan` with `parallelize_module`. DTensor is
+* Tensor parallelism: `gpt_tensor_parallel_plan` (`tensor_parallel.tensor_parallel_plan`)
+  with `parallelize_module`. DTensor is
   desugared by AOTAutograd: the joint graph holds the local shards as plain tensors, and
   the redistributions as `_c10d_functional` all_reduce / all_gather_into_tensor + wait_tensor
   nodes, so the GEMM pass sees local GEMMs (RowwiseParallel: a K-shard per rank).
@@ -22,9 +25,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
-import torch
 from torch import nn
 
 from ..config import MXConfig
@@ -38,7 +40,6 @@ _AXIS_ROLE = {
 
 __all__ = [
     "ShardingProblem",
-    "compile_fsdp2",
     "gpt_tensor_parallel_plan",
     "shard_gpt_fsdp2",
     "sharded_contraction_problems",
@@ -46,9 +47,9 @@ __all__ = [
 
 
 def gpt_tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
-    """Megatron-style plan for the built-in GPT's blocks: ColwiseParallel on attn.qkv and
-    mlp.fc, RowwiseParallel on attn.proj and mlp.proj. Embeddings, norms and the LM head stay
-    replicated.
+    """Megatron-style plan for the built-in GPT's blocks (`tensor_parallel_plan` with fixed
+    patterns): ColwiseParallel on attn.qkv and mlp.fc, RowwiseParallel on attn.proj and
+    mlp.proj. Embeddings, norms and the LM head stay replicated.
 
     The fused qkv output is gathered back to a replicated tensor (`output_layouts=Replicate()`)
     and attn.proj takes a replicated input, so attention itself runs replicated: a column
@@ -60,16 +61,16 @@ def gpt_tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
+    from .tensor_parallel import tensor_parallel_plan
+
+    if getattr(model, "blocks", None) is None:
         raise ValueError(f"{type(model).__name__} has no .blocks; give the built-in GPT (mxcompile.examples.gpt.GPT)")
-    plan: dict[str, Any] = {}
-    for i in range(len(blocks)):
-        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(output_layouts=Replicate())
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
-        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
-    return plan
+    return tensor_parallel_plan(model, {
+        "blocks.*.attn.qkv": ColwiseParallel(output_layouts=Replicate()),
+        "blocks.*.attn.proj": RowwiseParallel(input_layouts=Replicate()),
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.proj": RowwiseParallel(),
+    })
 
 
 def shard_gpt_fsdp2(
@@ -79,72 +80,16 @@ def shard_gpt_fsdp2(
     config: MXConfig | None = None,
     mp_policy: Any | None = None,
 ) -> dict[str, str]:
-    """fully_shard each block, the LM head and the root of the built-in GPT (in place).
+    """`fully_shard` without compiling, for the built-in GPT: units are the blocks, the LM
+    head and the root. Returns the MX all-gather decisions per weight ({} for the plain
+    all-gather); compile with `compile_fsdp2`."""
+    from .fsdp import fully_shard
 
-    The LM head gets its own FSDP unit so that it is resharded after the forward and
-    re-gathered for the backward like the blocks (the root unit is not resharded after the
-    forward). With `config.fsdp_all_gather == "mxfp8"` the linear weights are first wrapped
-    for the MX all-gather (`enable_mx_all_gather`); returns its per-weight decisions ({} for
-    the plain all-gather).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    from .mx_all_gather import enable_mx_all_gather
-
-    config = config if config is not None else MXConfig()
-    decisions: dict[str, str] = {}
-    if config.fsdp_all_gather == "mxfp8":
-        decisions = enable_mx_all_gather(model, config, world_size=mesh.size())
-    kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model.lm_head, **kwargs)
-    fully_shard(model, **kwargs)
-    return decisions
-
-
-def compile_fsdp2(
-    model: nn.Module,
-    backend: str | Callable[..., Any] = "mxfp8",
-    options: Mapping[str, Any] | None = None,
-) -> nn.Module:
-    """Compile an FSDP2 model so that every GEMM reaches the backend; returns `model`.
-
-    `torch.compile(model)` is not enough: at each FSDP2 module call dynamo meets a
-    `torch._dynamo.disable`d hook inside the root's `for block in self.blocks` loop, cannot
-    resume a graph break in a loop, and runs the root's whole forward eagerly ("graph break in
-    loop"). Blocks called from it are still compiled (their forward is user code), but modules
-    whose forward lives in torch.nn (the LM head's nn.Linear) are in dynamo's skip list and
-    stay eager and unconverted; `nn.Module.compile()` on such a module is a no-op for the same
-    reason. So this compiles `forward` of every FSDP unit below the root and of every root
-    child that owns a linear layer, with `module.forward = torch.compile(module.forward)`
-    (keeps parameter names and FSDP's hooks, which wrap `__call__`). The root's own glue code
-    (embedding sum, loop) runs eagerly.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    kwargs: dict[str, Any] = {"backend": backend}
-    if options is not None:
-        kwargs["options"] = dict(options)
-    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    covered = {id(sub) for unit in units for sub in unit.modules()}
-    targets: list[nn.Module] = list(units)
-
-    def owns_uncovered_linear(module: nn.Module) -> bool:
-        return any(isinstance(sub, nn.Linear) and id(sub) not in covered for sub in module.modules())
-
-    pending = list(model.children())
-    while pending:
-        child = pending.pop()
-        if id(child) in covered or not owns_uncovered_linear(child):
-            continue
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward
-            pending.extend(child.children())
-        else:
-            targets.append(child)
-    for module in targets:
-        module.forward = torch.compile(module.forward, **kwargs)
-    return model
+    if getattr(model, "blocks", None) is None:
+        raise ValueError(f"{type(model).__name__} has no .blocks; give the built-in GPT (mxcompile.examples.gpt.GPT)")
+    block_type = type(model.blocks[0])
+    return dict(fully_shard(model, mesh, config=config, block_types=(block_type,), mp_policy=mp_policy,
+                            compile=False).all_gather)
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,12 @@ def _backward_axis(rows: int, world_size: int, block_size: int) -> tuple[int, st
     )
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def enable_mx_all_gather(
     module: nn.Module,
     config: MXConfig | None = None,
@@ -305,7 +311,10 @@ def enable_mx_all_gather(
             decisions[key] = "already MX all-gather"
             continue
         rows, cols = weight.shape
-        if not weight.dtype.is_floating_point:
+        if _is_dtensor(weight):
+            decisions[key] = ("kept: tensor-parallel DTensor weight (2-D mesh); the MX all-gather wraps "
+                              "plain tensors only, so FSDP2 gathers it in the parameter dtype")
+        elif not weight.dtype.is_floating_point:
             decisions[key] = f"kept: dtype {weight.dtype} is not floating point"
         elif cols % spec.block_size:
             decisions[key] = f"kept: K={cols} not divisible by block_size={spec.block_size}"

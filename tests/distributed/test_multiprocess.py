@@ -1,7 +1,7 @@
 """DDP, FSDP2 (plain and MXFP8 all-gather) and tensor parallelism on 2 CPU processes (gloo)
 against one process. One torchrun launch runs every scenario of `worker.py` with the eager
-lowering (the mxfp8 pipeline without Inductor); one slow launch repeats FSDP2 + MXFP8
-all-gather with Inductor.
+lowering (the mxfp8 pipeline without Inductor; the `results` fixture of conftest.py, shared with
+test_usages.py); one slow launch repeats FSDP2 + MXFP8 all-gather with Inductor.
 
 Tolerances: data and tensor parallelism change only the order of fp32 sums (all-reduce of
 partial sums, GEMMs over per-rank token halves), and with 32-token-aligned per-rank batches
@@ -12,49 +12,21 @@ about 1e-7). The MXFP8 all-gather gives the same numbers as the plain all-gather
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-WORKER = Path(__file__).with_name("worker.py")
-NPROC = 2
-LAUNCH_TIMEOUT_S = 900
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 MX_BYTES_PER_ELEMENT = 1 + 1 / 32
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
     reason="torch.distributed with the gloo backend is not available in this torch build",
 )
-
-
-def _launch(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp(name) / "results.json"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-               str(WORKER), "--out", str(out), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=ROOT)
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        raise AssertionError(f"torchrun failed with exit code {proc.returncode}:\n{tail}")
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _launch(tmp_path_factory, "eager", "--lowering", "eager")
 
 
 def _counts(decisions: list[dict[str, Any]], *fields: str) -> Counter:
@@ -151,8 +123,8 @@ def test_fsdp_mx_all_gather_formats_and_bytes(results):
     mx = result["comm"]["bytes"]["all_gather"]
     fp32 = torch.finfo(torch.float32).bits // 8
     saved_per_gathered_element = fp32 - MX_BYTES_PER_ELEMENT
-    # Linear weights are gathered twice per step (forward, backward), per rank 1/NPROC of them.
-    expected_saving = 2 * mx_numel / NPROC * saved_per_gathered_element
+    # Linear weights are gathered twice per step (forward, backward), per rank 1/world_size of them.
+    expected_saving = 2 * mx_numel / results["world_size"] * saved_per_gathered_element
     assert plain - mx == pytest.approx(expected_saving, rel=1e-9), (plain, mx, mx_numel, other_numel)
     assert results["fsdp"]["comm"]["bytes"]["reduce_scatter"] == result["comm"]["bytes"]["reduce_scatter"]
 
@@ -181,9 +153,9 @@ def test_misaligned_shard_kept_on_every_rank(results):
         assert kept == set(MISALIGNED_GEMMS)
 
 
-def test_fsdp_mx_all_gather_with_inductor(tmp_path_factory, results):
+def test_fsdp_mx_all_gather_with_inductor(launch_workers, results):
     """The full backend (Inductor lowering) under FSDP2 with the MXFP8 all-gather."""
-    inductor = _launch(tmp_path_factory, "inductor", "--lowering", "inductor", "--scenarios", "fsdp_mx")
+    inductor = launch_workers("inductor", "--lowering", "inductor", "--scenarios", "fsdp_mx")
     result = inductor["fsdp_mx"]
     _assert_losses_match(result["losses"], results["fsdp_mx"]["losses"])
     for rank_decisions in result["decisions"]:

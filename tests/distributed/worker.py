@@ -28,6 +28,8 @@ from mxcompile.examples.gpt import GPT, gpt_factory, lm_loss
 from mxcompile.lowering import eager_compiler, inductor_compiler
 from mxcompile.report import Report
 
+import usage_scenarios  # this folder: torchrun puts the script's folder on sys.path
+
 MODEL_SIZE = "tiny"
 STEPS = 3
 BATCH_PER_RANK = 2
@@ -42,7 +44,8 @@ OCTAVES = 24  # more than e4m3's range below a block maximum (about 17 octaves)
 ROW_STRIDE, COL_STRIDE = 7, 5  # coprime with OCTAVES: every residue appears within a block
 _BLOCK_PREFIX = re.compile(r"^blocks\.\d+\.")
 
-SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather")
+SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather", "usages", "llama")
+SCENARIOS_4_RANKS = ("llama_2d",)  # run only when asked: --nproc-per-node 4 --scenarios llama_2d
 
 
 def make_backend(config: MXConfig, report: Report, lowering: str) -> Callable[..., Any]:
@@ -279,9 +282,9 @@ def main() -> None:
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
-    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    unknown = sorted(set(scenarios) - set(SCENARIOS) - set(SCENARIOS_4_RANKS))
     if unknown:
-        raise SystemExit(f"unknown scenarios {unknown}; known: {list(SCENARIOS)}")
+        raise SystemExit(f"unknown scenarios {unknown}; known: {list(SCENARIOS + SCENARIOS_4_RANKS)}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     batches = token_batches(dist.get_world_size())
@@ -301,6 +304,12 @@ def main() -> None:
             result = run_tp(batches, args.lowering)
         elif name == "tp_misaligned":
             result = run_tp_misaligned(args.lowering)
+        elif name == "usages":
+            result = usage_scenarios.run_usages(lambda config, report: make_backend(config, report, args.lowering))
+        elif name == "llama_2d":
+            result = usage_scenarios.run_llama_2d(lambda config, report: make_backend(config, report, args.lowering))
+        elif name == "llama":
+            result = usage_scenarios.run_llama(lambda config, report: make_backend(config, report, args.lowering))
         else:
             result = run_all_gather()
         if "grads" in result:

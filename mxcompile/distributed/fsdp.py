@@ -1,0 +1,175 @@
+"""FSDP2 for any model with the `mxfp8` backend: `fully_shard` (named after torch's) shards a
+model per block, puts the MXFP8 all-gather on every eligible nn.Linear weight and compiles
+every FSDP unit's forward, so that every GEMM reaches the backend.
+
+Why units are compiled one by one (`compile_fsdp2`) rather than `torch.compile(model)`: FSDP2
+runs `torch._dynamo.disable`d hooks at every unit's call, so each unit's forward starts a new
+frame, and dynamo does not trace a frame whose code is torch.nn's (an nn.Linear LM head, an
+nn.Sequential): such units would run in full precision (see `mxcompile.coverage`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..config import MXConfig
+from ..coverage import warn_uncompiled
+
+__all__ = ["FullyShardResult", "compile_fsdp2", "find_block_types", "fully_shard"]
+
+
+@dataclass(frozen=True)
+class FullyShardResult:
+    """What `fully_shard` did, each with its reason."""
+
+    units: Mapping[str, str] = field(default_factory=dict)  # unit name ("" = root) -> why it is a unit
+    all_gather: Mapping[str, str] = field(default_factory=dict)  # weight -> MX all-gather decision
+    compiled: tuple[str, ...] = ()  # modules whose forward was compiled
+
+
+def find_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The repeated blocks of `model`: the class of every nn.ModuleList whose items all have
+    one class and own parameters (GPT's `blocks`, HF's `layers`). Empty for a flat model."""
+    found: list[type[nn.Module]] = []
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        kinds = {type(item) for item in module}
+        kind = next(iter(kinds))
+        if len(kinds) == 1 and any(True for _ in module[0].parameters()) and kind not in found:
+            found.append(kind)
+    return tuple(found)
+
+
+def _shared_elsewhere(model: nn.Module, module: nn.Module) -> bool:
+    """Whether a parameter of `module` is also reached outside it (tied embeddings)."""
+    own = {id(p) for p in module.parameters()}
+    inside = {id(m) for m in module.modules()}
+    for other in model.modules():
+        if id(other) in inside:
+            continue
+        if any(id(p) in own for p in other.parameters(recurse=False)):
+            return True
+    return False
+
+
+def _plan_units(model: nn.Module, block_types: Sequence[type[nn.Module]]) -> dict[str, str]:
+    """Unit name -> reason: every block, then every nn.Linear outside all blocks (own unit, so
+    it reshards after the forward and is re-gathered for the backward like the blocks; the
+    root unit is not resharded), then the root."""
+    units: dict[str, str] = {}
+    block_names = [name for name, m in model.named_modules() if name and isinstance(m, tuple(block_types))]
+    # Outermost blocks only: a block nested in another block is part of its unit.
+    for name in block_names:
+        if not any(name.startswith(outer + ".") for outer in block_names):
+            units[name] = f"block type {type(model.get_submodule(name)).__name__}"
+    tied: list[str] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, nn.Linear):
+            continue
+        if any(name == unit or name.startswith(unit + ".") for unit in units):
+            continue
+        if _shared_elsewhere(model, module):
+            tied.append(name)
+        else:
+            units[name] = "nn.Linear outside every block: own unit, resharded after the forward"
+    units[""] = "root: everything not in another unit" + (
+        f"; {', '.join(tied)} share weights with other modules and stay here" if tied else "")
+    return units
+
+
+def fully_shard(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    config: MXConfig | None = None,
+    block_types: Sequence[type[nn.Module]] | None = None,
+    mp_policy: Any | None = None,
+    compile: bool = True,
+    backend: str | Callable[..., Any] = "mxfp8",
+) -> FullyShardResult:
+    """FSDP2 on `model` in place, for training with the mxfp8 backend.
+
+    * units: every block (`block_types`, or `find_block_types(model)`), every nn.Linear
+      outside the blocks whose weight is not tied to another module, and the root;
+    * with `config.fsdp_all_gather == "mxfp8"`, the MXFP8 all-gather on every eligible
+      nn.Linear weight (`enable_mx_all_gather`, decisions with reasons in the result);
+    * with `compile=True`, every unit's forward compiled (`compile_fsdp2`) with `backend`
+      ("mxfp8" gets `config` as options; a callable backend carries its own config), then
+      warns (mxcompile.coverage) if some nn.Linear still escapes every compiled graph.
+    """
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from .mx_all_gather import enable_mx_all_gather
+
+    config = config if config is not None else MXConfig()
+    if not isinstance(config, MXConfig):
+        raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    types = tuple(block_types) if block_types is not None else find_block_types(model)
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise ValueError(f"block_types must be nn.Module subclasses, got {types!r}")
+    units = _plan_units(model, types)
+    all_gather: dict[str, str] = {}
+    if config.fsdp_all_gather == "mxfp8":
+        all_gather = enable_mx_all_gather(model, config, world_size=mesh.size())
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for name in units:  # the root comes last
+        torch_fully_shard(model.get_submodule(name), **kwargs)
+    compiled: tuple[str, ...] = ()
+    if compile:
+        options = config.to_dict() if isinstance(backend, str) else None
+        compiled = compile_fsdp2(model, backend=backend, options=options)
+        warn_uncompiled(model)
+    return FullyShardResult(units=units, all_gather=all_gather, compiled=compiled)
+
+
+def compile_fsdp2(
+    model: nn.Module,
+    backend: str | Callable[..., Any] = "mxfp8",
+    options: Mapping[str, Any] | None = None,
+) -> tuple[str, ...]:
+    """Compile an FSDP2 model so that every nn.Linear reaches the backend; returns the names
+    of the modules whose forward was compiled.
+
+    `torch.compile(model)` is not enough: at each unit's call dynamo meets a disabled hook; in
+    a root forward that calls its blocks in a loop it cannot resume the graph break and runs
+    the root's whole forward eagerly ("graph break in loop"). Blocks with a user-code forward
+    are then still traced in frames of their own, but modules whose forward is torch.nn's
+    (an nn.Linear LM head, nn.Sequential) are not. So this compiles `forward` of every FSDP unit
+    below the root and of every root child that owns an nn.Linear outside those units, with
+    `module.forward = torch.compile(module.forward)` (keeps parameter names and FSDP's hooks,
+    which wrap `__call__`). The root's own code (embeddings, the loop) runs eagerly.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    kwargs: dict[str, Any] = {"backend": backend}
+    if options is not None:
+        kwargs["options"] = dict(options)
+    names = {id(m): name for name, m in model.named_modules()}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    covered = {id(sub) for unit in units for sub in unit.modules()}
+    targets: list[nn.Module] = list(units)
+
+    def owns_uncovered_linear(module: nn.Module) -> bool:
+        return any(isinstance(sub, nn.Linear) and id(sub) not in covered for sub in module.modules())
+
+    if isinstance(model, nn.Linear):  # a bare nn.Linear is its own (root) unit
+        targets.append(model)
+    pending = list(model.children())
+    while pending:
+        child = pending.pop()
+        if id(child) in covered or not owns_uncovered_linear(child):
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward
+            pending.extend(child.children())
+        else:
+            targets.append(child)
+    for module in targets:
+        module.forward = torch.compile(module.forward, **kwargs)
+    return tuple(names[id(m)] for m in targets)
