@@ -6,6 +6,7 @@ quantization into its generated C++ loops) and the graph goes to Inductor's inne
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable, Sequence
 
@@ -14,6 +15,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.replace_random import replace_random_passes
+from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .ops import (
@@ -101,6 +104,23 @@ def decompose_mx_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         return trace(*example_inputs)
 
 
+def use_inductor_random(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Replace aten random ops (`aten.rand` of dropout's decomposition, `randn`, `randint`) by
+    Inductor's seeded random prims, as the default backend's joint-graph passes do before the
+    partition; Inductor's lowering accepts no other form ("should have been handled in
+    replace_random.py"). Per graph rather than on the joint graph: a random op is never
+    recomputed in the backward (the partitioner and the memory planner ban it), so each draw
+    lives in exactly one graph. Honours `torch._inductor.config.fallback_random`. Returns the
+    count of replacements."""
+    fake_mode = detect_fake_mode(example_inputs)
+    with V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
+        count = replace_random_passes(gm)
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
 
 
@@ -122,6 +142,7 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
     planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
     gm = decompose_mx_ops(gm, example_inputs)
+    use_inductor_random(gm, example_inputs)
     with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
                                reorder_for_peak_memory=not planned):
         return compile_fx_inner(gm, example_inputs)
