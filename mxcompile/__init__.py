@@ -7,7 +7,7 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 """
 
 from ._version import __version__
-from .backend import compile
+from .backend import MXKeptWarning, clear_reports, compile, report_of, reports
 from .config import MXConfig
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
@@ -16,12 +16,16 @@ from .report import Report
 
 __all__ = [
     "MXConfig",
+    "MXKeptWarning",
     "MXTensor",
     "Report",
     "__version__",
+    "clear_reports",
     "compile",
     "dequantize_mx",
     "explain",
     "mx_matmul",
     "quantize_mx",
+    "report_of",
+    "reports",
 ]

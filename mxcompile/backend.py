@@ -7,11 +7,17 @@
       -> lowering: Inductor's inner compiler (CPU), with the mxcompile ops decomposed
 
 `explain` runs the same pipeline and stops before lowering.
+
+Every graph the backend compiles leaves its `Report` (the passes' decisions; no graph text, so
+training compiles stay cheap) in a bounded history read by `reports()` and `report_of(model)`,
+logs one line to the "mxcompile" logger, and warns once when it keeps more than
+KEPT_FLOP_WARNING_FRACTION of its GEMM FLOPs in high precision.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -31,9 +37,23 @@ from .passes import PassError, run_pipeline
 from .passes.graph_facts import GraphInfo, concrete_int
 from .passes.memory_plan import plan_and_partition
 from .passes.meta_keys import GRAPH_INFO_KEY
-from .report import GraphSnapshot, Report
+from .report import GraphSnapshot, Report, ReportHistory
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
+
+
+logger = logging.getLogger("mxcompile")
+
+# Reports of the last RETAINED_REPORTS graphs compiled in this process; older ones are dropped.
+RETAINED_REPORTS = 256
+_HISTORY = ReportHistory(RETAINED_REPORTS)
+# A compiled graph that keeps more than this share of its GEMM FLOPs in high precision warns.
+KEPT_FLOP_WARNING_FRACTION = 0.05
+KEPT_REASONS_SHOWN = 3
+
+
+class MXKeptWarning(UserWarning):
+    """A compiled graph left a large share of its GEMM FLOPs in high precision."""
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -85,14 +105,16 @@ def compile_graph(
     *,
     lower: Compiler = inductor_compiler,
     report: Report | None = None,
+    describe: bool | None = None,
 ) -> Callable:
     """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering.
 
-    With a `report` (explain, the CLI, tests) the graphs are also described: the joint graph
-    is partitioned once more without the rewrite, for the saved bytes and the before/after
-    graphs. A plain training compile (no report) skips that extra work.
+    The passes' decisions go into `report` (a new one when not given). With `describe`
+    (default: whether a report was given, as by explain, the CLI and tests) the graphs are also
+    described: the joint graph is partitioned once more without the rewrite, for the saved bytes
+    and the before/after graphs. A plain training compile skips that extra work.
     """
-    describe = report is not None
+    describe = report is not None if describe is None else describe
     report = report if report is not None else Report(config.to_dict())
     # DTensor inputs (tensor parallelism) whose shards cut MX blocks; seen before AOTAutograd
     # flattens them into local tensors.
@@ -155,6 +177,49 @@ def compile_graph(
     )
 
 
+def compile_and_record(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: MXConfig, *, lower: Compiler = inductor_compiler
+) -> Callable:
+    """`compile_graph` without the description work, then the graph's report is kept in the
+    history, logged in one line and, when it keeps too much in high precision, warned about."""
+    report = Report(config.to_dict())
+    compiled = compile_graph(gm, example_inputs, config, lower=lower, report=report, describe=False)
+    index = _HISTORY.record(report, example_inputs)
+    logger.info("mxcompile: compiled graph %d: %s", index, report.summary())
+    total = report.gemm_flops_total
+    kept = total - report.gemm_flops_converted
+    if total and kept > KEPT_FLOP_WARNING_FRACTION * total:
+        warnings.warn(
+            f"mxcompile kept {kept / total:.1%} of graph {index}'s GEMM FLOPs in high precision "
+            f"({report.summary()}); top reasons: {'; '.join(report.top_kept_reasons(KEPT_REASONS_SHOWN))}. "
+            "See mxcompile.reports() or mxcompile.report_of(model) for every decision.",
+            MXKeptWarning, stacklevel=2)
+    return compiled
+
+
+def reports() -> list[Report]:
+    """The reports of the graphs `torch.compile(..., backend="mxfp8")` compiled in this process,
+    oldest first: the last RETAINED_REPORTS of them (older ones are dropped). `explain` does
+    not add to them."""
+    return _HISTORY.all()
+
+
+def report_of(model: torch.nn.Module) -> list[Report]:
+    """The retained reports of the graphs compiled for `model` (the module or what
+    torch.compile returned for it), oldest first: those whose graphs took its parameters or
+    buffers. Recompiles (new shapes, train/eval) add one each."""
+    module = getattr(model, "_orig_mod", model)
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"report_of takes an nn.Module or a compiled one, got {type(model).__name__}; "
+                         "use mxcompile.reports() for compiled functions")
+    return _HISTORY.of_module(module)
+
+
+def clear_reports() -> None:
+    """Forget the retained reports."""
+    _HISTORY.clear()
+
+
 def mxfp8_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -169,7 +234,7 @@ def mxfp8_backend(
     if config is not None and options:
         raise ValueError("give either config or options to the mxfp8 backend, not both")
     config = config if config is not None else MXConfig.from_options(options)
-    return compile_graph(gm, example_inputs, config)
+    return compile_and_record(gm, example_inputs, config)
 
 
 def compile(model: Any, config: MXConfig | None = None, **torch_compile_kwargs: Any) -> Any:

@@ -14,8 +14,11 @@ from .lowering import eager_compiler
 from .report import Report
 
 
-def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = None) -> Report:
-    """Trace `model` (an nn.Module or a function of tensors) on `example_inputs` with the mxfp8 pipeline and return every decision.
+def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = None, **example_kwargs: Any) -> Report:
+    """Trace `model` (an nn.Module or a function of tensors) on `example_inputs` and
+    `example_kwargs` (as `model(*example_inputs, **example_kwargs)`, the way HF models are
+    called: `explain(model, **batch)`) with the mxfp8 pipeline and return every decision.
+    `config` is explain's own keyword, so a model input of that name cannot be given here.
 
     Runs one forward pass with autograd enabled (the joint graph is built then) and no backward,
     so no gradient of the model is touched; buffers are restored afterwards.
@@ -30,7 +33,7 @@ def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = Non
     compiled = torch.compile(model, backend=backend)
     try:
         with torch.enable_grad():
-            compiled(*example_inputs)
+            compiled(*example_inputs, **example_kwargs)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -9,6 +9,7 @@ implementation; the others are decomposed as on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.replace_random import replace_random_passes
+from torch._inductor.virtualized import V
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
@@ -104,6 +107,23 @@ def decompose_mx_ops(
         return trace(*example_inputs)
 
 
+def use_inductor_random(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Replace aten random ops (`aten.rand` of dropout's decomposition, `randn`, `randint`) by
+    Inductor's seeded random prims, as the default backend's joint-graph passes do before the
+    partition; Inductor's lowering accepts no other form ("should have been handled in
+    replace_random.py"). Per graph rather than on the joint graph: a random op is never
+    recomputed in the backward (the partitioner and the memory planner ban it), so each draw
+    lives in exactly one graph. Honours `torch._inductor.config.fallback_random`. Returns the
+    count of replacements."""
+    fake_mode = detect_fake_mode(example_inputs)
+    with V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
+        count = replace_random_passes(gm)
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
@@ -119,6 +139,7 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
     planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
     gm = decompose_mx_ops(gm, example_inputs, opaque=opaque)
+    use_inductor_random(gm, example_inputs)
     with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
                                reorder_for_peak_memory=not planned):
         return compile_fx_inner(gm, example_inputs)

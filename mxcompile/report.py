@@ -6,9 +6,13 @@ the JSON form, versioned by `REPORT_SCHEMA_VERSION`.
 
 from __future__ import annotations
 
+import collections
 import json
+import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+import torch
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -105,6 +109,29 @@ class Report:
             "saved_activation_bytes_after": self.saved_bytes_after,
         }
 
+    def kept_flops_by_reason(self) -> list[tuple[str, int, int]]:
+        """(reason, kept GEMM FLOPs, kept GEMM count) per distinct reason, most FLOPs first."""
+        flops: dict[str, int] = collections.Counter()
+        counts: dict[str, int] = collections.Counter()
+        for d in self.decisions:
+            if d.decision == KEPT:
+                flops[d.reason] += d.flops
+                counts[d.reason] += 1
+        return sorted(((r, flops[r], counts[r]) for r in flops), key=lambda row: -row[1])
+
+    def top_kept_reasons(self, count: int) -> list[str]:
+        """The `count` reasons that kept the most GEMM FLOPs, each with its GEMMs and FLOP share."""
+        total = self.gemm_flops_total or 1
+        return [f"{reason} ({n} GEMM{'s' if n > 1 else ''}, {flops / total:.1%} of GEMM FLOPs)"
+                for reason, flops, n in self.kept_flops_by_reason()[:count]]
+
+    def summary(self) -> str:
+        """One line: GEMMs and GEMM FLOPs converted, and how many GEMMs were kept."""
+        t = self.totals()
+        graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions)) or "no GEMMs"
+        return (f"{graphs}: {t['converted']} of {t['gemms']} GEMMs in MXFP8, "
+                f"{t['converted_flop_fraction']:.1%} of {t['gemm_flops']:.3g} GEMM FLOPs; {t['kept']} kept")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
@@ -122,3 +149,39 @@ class Report:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=str)
+
+
+class ReportHistory:
+    """The reports of the last `capacity` graphs the backend compiled, oldest first.
+
+    Bounded on purpose: a long run that keeps recompiling (new shapes, new models) holds at most
+    `capacity` reports; older ones are dropped. Each report remembers the parameters and buffers
+    its graph was compiled with by weak reference only, so no model is kept alive by this, and
+    `of_module` finds a model's reports by the identity of those tensors.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self._entries: collections.deque[tuple[Report, tuple[weakref.ref, ...]]] = collections.deque(maxlen=capacity)
+        self._recorded = 0
+
+    def record(self, report: Report, tensors: Iterable[Any]) -> int:
+        """Keep `report` with weak references to the tensors its graph took; returns its index
+        among all reports recorded (0, 1, ...; dropped ones count too)."""
+        refs = tuple(weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor))
+        self._entries.append((report, refs))
+        self._recorded += 1
+        return self._recorded - 1
+
+    def all(self) -> list[Report]:
+        return [report for report, _ in self._entries]
+
+    def of_module(self, module: torch.nn.Module) -> list[Report]:
+        owned = {id(t) for t in (*module.parameters(), *module.buffers())}
+        return [report for report, refs in self._entries
+                if any((t := ref()) is not None and id(t) in owned for ref in refs)]
+
+    def clear(self) -> None:
+        self._entries.clear()
+

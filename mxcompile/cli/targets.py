@@ -5,7 +5,9 @@ A TARGET is one of
     package.module:factory       an importable module and the name of a factory in it
     NAME                         a built-in example (`mxcompile.examples.EXAMPLES`)
 A factory takes no arguments and returns `(model, example_inputs)`: an `nn.Module` and a
-tuple (or list) of inputs such that `model(*example_inputs)` runs.
+tuple (or list) of inputs such that `model(*example_inputs)` runs; or `(model, example_inputs,
+example_kwargs)` with a dict of keyword inputs, so that `model(*example_inputs,
+**example_kwargs)` runs (HF models take `input_ids=...`, `attention_mask=...`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -27,18 +29,21 @@ from .errors import CLIError
 
 TARGET_SEPARATOR = ":"
 PYTHON_SUFFIX = ".py"
-FACTORY_CONTRACT = "a callable taking no arguments and returning (model, example_inputs)"
+FACTORY_CONTRACT = ("a callable taking no arguments and returning (model, example_inputs) "
+                    "or (model, example_inputs, example_kwargs)")
 TARGET_FORMS = "path/to/file.py:factory, package.module:factory, or a built-in example name"
 _DIGEST_CHARS = 12
 
 
 @dataclass
 class Target:
-    """A loaded target: what the user named, the model and its example inputs."""
+    """A loaded target: what the user named, the model and its example inputs, called as
+    `model(*inputs, **kwargs)`."""
 
     spec: str
     model: nn.Module
     inputs: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _example_names() -> str:
@@ -126,20 +131,23 @@ def resolve_factory(spec: str) -> Callable[[], Any]:
     return _factory_from(module, location, attribute)
 
 
-def _check_result(spec: str, result: Any) -> tuple[nn.Module, tuple[Any, ...]]:
-    expected = "expected (torch.nn.Module, tuple of example inputs)"
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
+def _check_result(spec: str, result: Any) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    expected = "expected (torch.nn.Module, tuple of example inputs[, dict of keyword inputs])"
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
         kind = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
         raise CLIError(f"factory {spec!r} returned {kind}; {expected}")
-    model, inputs = result
+    model, inputs, kwargs = (*result, {}) if len(result) == 2 else result
     if not isinstance(model, nn.Module):
         raise CLIError(f"factory {spec!r} returned a {type(model).__name__} as the model; {expected}")
     if not isinstance(inputs, (tuple, list)):
         raise CLIError(
             f"factory {spec!r} returned a {type(inputs).__name__} as example inputs; {expected} "
-            "(wrap a single input as (x,))"
+            "(wrap a single input as (x,); give keyword inputs as (model, (), {'name': x}))"
         )
-    return model, tuple(inputs)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise CLIError(f"factory {spec!r} returned a {type(kwargs).__name__} as keyword inputs; {expected} "
+                       "(a dict from argument names to values)")
+    return model, tuple(inputs), dict(kwargs)
 
 
 def load_target(spec: str) -> Target:
@@ -152,5 +160,5 @@ def load_target(spec: str) -> Target:
             f"factory {spec!r} raised {type(err).__name__}: {err}; it must be {FACTORY_CONTRACT} "
             "(run with --debug for the traceback)"
         ) from err
-    model, inputs = _check_result(spec, result)
-    return Target(spec, model, inputs)
+    model, inputs, kwargs = _check_result(spec, result)
+    return Target(spec, model, inputs, kwargs)

@@ -1,0 +1,118 @@
+"""What the backend did while training: every compiled graph's report is kept (bounded), found by
+model, logged in one line, and a graph that keeps more than 5% of its GEMM FLOPs warns once.
+The graphs run eagerly (the recording path is the same one `backend="mxfp8"` takes)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxcompile
+from mxcompile.backend import compile_and_record
+from mxcompile.config import MXConfig
+from mxcompile.lowering import eager_compiler
+from mxcompile.report import CONVERTED, Report, ReportHistory
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 128)
+        self.fc2 = nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _recording_backend(config: MXConfig = MXConfig()):
+    return functools.partial(compile_and_record, config=config, lower=eager_compiler)
+
+
+def _step(compiled, x):
+    compiled(x).sum().backward()
+
+
+@pytest.fixture(autouse=True)
+def _empty_history():
+    mxcompile.clear_reports()
+    yield
+    mxcompile.clear_reports()
+
+
+def test_each_compile_leaves_a_report_found_by_its_model(caplog):
+    torch.manual_seed(0)
+    a, b = TwoLinear(), TwoLinear()
+    x = torch.randn(32, 64)
+    with caplog.at_level(logging.INFO, logger="mxcompile"):
+        compiled_a = torch.compile(a, backend=_recording_backend())
+        _step(compiled_a, x)
+        _step(torch.compile(b, backend=_recording_backend()), x)
+        a.eval()
+        with torch.no_grad():
+            compiled_a(x)  # recompiles: an inference graph
+    every = mxcompile.reports()
+    of_a, of_b = mxcompile.report_of(compiled_a), mxcompile.report_of(b)
+    assert len(every) == 3 and len(of_a) == 2 and len(of_b) == 1
+    assert every[0] is of_a[0] and every[1] is of_b[0] and every[2] is of_a[1]
+    assert {d.graph for d in of_a[0].decisions} == {"forward", "backward"}
+    assert {d.graph for d in of_a[1].decisions} == {"inference"}
+    assert all(r.converted_flop_fraction == 1.0 for r in every)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mxcompile"]
+    assert len(lines) == 3
+    assert lines[0].startswith("mxcompile: compiled graph 0: forward+backward: 5 of 5 GEMMs in MXFP8, 100.0%")
+    assert lines[0].endswith("0 kept")
+
+
+def test_a_graph_keeping_over_5_percent_warns_once_with_its_top_reasons():
+    torch.manual_seed(0)
+    model = TwoLinear()
+    compiled = torch.compile(model, backend=_recording_backend(MXConfig(exclude=("fc2",))))
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # one compile, so one warning
+            _step(compiled, x)
+    kept_warnings = [w for w in caught if issubclass(w.category, mxcompile.MXKeptWarning)]
+    assert len(kept_warnings) == 1
+    message = str(kept_warnings[0].message)
+    (report,) = mxcompile.report_of(model)
+    assert 0.05 < 1 - report.converted_flop_fraction < 1
+    assert "module 'fc2' matches exclude pattern 'fc2'" in message and "3 GEMMs" in message
+
+
+def test_a_fully_converted_graph_does_not_warn():
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoLinear(), backend=_recording_backend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mxcompile.MXKeptWarning)
+        _step(compiled, torch.randn(32, 64))
+    assert all(d.decision == CONVERTED for d in mxcompile.reports()[0].decisions)
+
+
+def test_history_is_bounded_and_holds_no_tensor_alive():
+    history = ReportHistory(capacity=2)
+    reports = [Report({}) for _ in range(3)]
+    weight = torch.zeros(4)
+    indices = [history.record(r, [weight]) for r in reports]
+    assert indices == [0, 1, 2]
+    assert history.all() == reports[1:]
+    module = nn.Linear(4, 4)
+    history.record(reports[0], list(module.parameters()))
+    assert history.of_module(module) == [reports[0]]
+    del module
+    gc.collect()
+    history.record(Report({}), [torch.zeros(4)])  # a fresh tensor may reuse a freed id
+    assert all(not r.decisions for r in history.all())
+    with pytest.raises(ValueError, match="capacity"):
+        ReportHistory(capacity=0)
+
+
+def test_report_of_rejects_what_is_not_a_module():
+    with pytest.raises(ValueError, match="nn.Module"):
+        mxcompile.report_of(lambda x: x)
