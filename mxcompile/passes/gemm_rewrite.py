@@ -3,19 +3,19 @@
 Each operand is quantized along its own contraction axis, so a linear layer's three GEMMs get
 the recipe's axes: Y = X Wt (X and W along K), dX = dY W (dY and W along N) and
 dW = dYt X (dY and X along M, the token axis). Bias, alpha and beta are applied in high
-precision after the GEMM; the output keeps its dtype. An ineligible GEMM stays as it is and the
-reason is recorded; this pass never raises on a model it cannot handle.
+precision after the GEMM; the output keeps its dtype. A contraction length that is not a
+multiple of block_size is zero-padded (static or at run time; the rule is in mx_gemm). An
+ineligible GEMM stays as it is and the reason is recorded; this pass never raises on a model
+it cannot handle.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import MXConfig
 from ..distributed.shard_check import sharded_contraction_reason
@@ -31,11 +31,17 @@ from .graph_facts import (
     shape_hint,
     tangent_placeholders,
 )
+from .mx_gemm import (
+    ContractionPadding,
+    contraction_padding,
+    emit_mx_gemm,
+    operand_dtype_reason,
+    selection_reason,
+)
 
 NAME = "gemm_rewrite"
 
 aten = torch.ops.aten
-_MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Ops through which a GEMM's output still "is" a weight gradient on its way to the graph output.
 _VIEW_LIKE = {
@@ -104,29 +110,23 @@ def _gemm_flops(lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern) -> i
 
 def _ineligibility(
     node: fx.Node, lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern, flops: int,
-    kind: str, module: str, config: MXConfig,
+    kind: str, padding: ContractionPadding, config: MXConfig,
 ) -> str | None:
     """Why this GEMM must stay in high precision, or None when it can be converted."""
-    for name, t in (("lhs", lhs), ("rhs", rhs)):
-        if t.dtype not in _MX_DTYPES:
-            return f"{name} dtype {t.dtype} is not one of {[str(d) for d in _MX_DTYPES]}"
+    reason = operand_dtype_reason({"lhs": lhs, "rhs": rhs})
+    if reason is not None:
+        return reason
     misaligned = dict(graph_info(node.graph.owning_module).misaligned_shards)
     for arg, axis in ((pattern.lhs_arg, pattern.lhs_contraction_axis),
                       (pattern.rhs_arg, pattern.rhs_contraction_axis)):
         reason = sharded_contraction_reason(node.args[arg], axis, misaligned, config.block_size)
         if reason is not None:
             return reason
-    k = lhs.shape[pattern.lhs_contraction_axis]
-    if not statically_known_true(k % config.block_size == 0):
-        return (
-            f"contraction length {k} is not {'provably ' if not isinstance(k, int) else ''}"
-            f"divisible by block_size={config.block_size}"
-        )
-    if flops < config.min_gemm_flops:
-        return f"{flops} FLOPs is below min_gemm_flops={config.min_gemm_flops}"
-    selected, why_not = config.module_selected(module)
-    if not selected:
-        return why_not
+    if padding.keep_reason is not None:
+        return padding.keep_reason
+    reason = selection_reason(node, flops, config)
+    if reason is not None:
+        return reason
     if kind == "weight_grad" and config.hp_weight_grad:
         return "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
     return None
@@ -134,20 +134,13 @@ def _ineligibility(
 
 def _rewrite(
     gm: fx.GraphModule, node: fx.Node, pattern: GemmPattern, elems: tuple[str, str],
-    config: MXConfig,
+    padding: ContractionPadding, config: MXConfig,
 ) -> NodeBuilder:
-    build = NodeBuilder(gm, node)
-    out_dtype = fake_value(node).dtype
-    quantized = []
-    for arg_index, axis, elem in (
-        (pattern.lhs_arg, pattern.lhs_contraction_axis, elems[0]),
-        (pattern.rhs_arg, pattern.rhs_contraction_axis, elems[1]),
-    ):
-        q = build.call(torch.ops.mxcompile.quantize.default, node.args[arg_index], axis, elem,
-                       config.scale_mode, config.block_size)
-        quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
-    result = build.call(torch.ops.mxcompile.mx_mm.default, *quantized, config.block_size, out_dtype)
+    result, build = emit_mx_gemm(
+        gm, node, node.args[pattern.lhs_arg], node.args[pattern.rhs_arg],
+        (pattern.lhs_contraction_axis, pattern.rhs_contraction_axis), elems, padding, config)
     if pattern.has_bias:
+        out_dtype = fake_value(node).dtype
         alpha = node.kwargs.get("alpha", 1)
         beta = node.kwargs.get("beta", 1)
         result = build.call(torch.ops.prims.convert_element_type.default, result, torch.float32)
@@ -182,15 +175,15 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             config.grad_elem if operand in gradients else config.forward_elem
             for operand in (lhs_node, rhs_node)
         )
-        reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, module, config)
+        padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
+        reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, padding, config)
         operands = (
             OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0]),
             OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1]),
         )
         graph = "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
         if reason is None:
-            k = concrete_int(lhs.shape[pattern.lhs_contraction_axis])
-            reason = f"operands quantized along their contraction axis (K={k})"
+            reason = f"operands quantized along their contraction axis ({padding.describe()})"
             decision = CONVERTED
         else:
             decision = KEPT
@@ -200,7 +193,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             decision=decision, reason=reason, operands=operands if decision == CONVERTED else (),
         ))
         if decision == CONVERTED:
-            build = _rewrite(gm, node, pattern, elems, config)
+            build = _rewrite(gm, node, pattern, elems, padding, config)
             added += len(build.added)
             removed += 1
     if added:

@@ -1,0 +1,118 @@
+"""Zero-padding of contraction axes (passes/mx_gemm): padded MX GEMMs against an independent
+reference that pads explicitly, bit for bit; run-time padding of symbolic lengths without
+recompilation. Compiles use mx_testing.eager_mxfp8_backend, except the one Inductor check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from mx_testing import eager_mxfp8_backend, fake_quantize
+from mxcompile.config import MXConfig
+from mxcompile.report import CONVERTED, Report
+
+BLOCK = 32
+
+
+def _octaves(*shape, seed=0):
+    """Values whose magnitude varies over several octaves along every axis, so that a wrong
+    quantization axis or a block straddling the padding changes the result (FACTS.md)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    for axis, size in enumerate(shape):
+        view = [1] * len(shape)
+        view[axis] = size
+        x = x * 2.0 ** torch.randint(-6, 7, (size,), generator=g).float().view(view)
+    return x
+
+
+def _padded_fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """The reference: pad with zeros along axis to a multiple of the block, then MX-round."""
+    axis %= x.ndim
+    pad = [0, 0] * (x.ndim - 1 - axis) + [0, -x.shape[axis] % BLOCK]
+    return fake_quantize(F.pad(x, pad), axis, BLOCK)
+
+
+def _reference_linear(x, weight, bias, grad_y):
+    """(y, dx, dw, db) of Y = X Wt + b with every GEMM in MX, operands padded explicitly."""
+    y = _padded_fake_quantize(x, 1) @ _padded_fake_quantize(weight.t(), 0) + bias
+    dx = _padded_fake_quantize(grad_y, 1) @ _padded_fake_quantize(weight, 0)
+    dw = _padded_fake_quantize(grad_y.t(), 1) @ _padded_fake_quantize(x, 0)
+    return y, dx, dw, grad_y.sum(0)
+
+
+def _run_linear(compiled, layer, x, grad_y):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    y = compiled(x)
+    y.backward(grad_y)
+    return y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()
+
+
+@pytest.mark.parametrize("tokens, features", [(260, 40), (65, 64)])
+def test_padded_linear_is_bit_identical_to_explicit_padding(tokens, features):
+    """260 tokens: dW contracts over tokens (260 -> 288); 40 input features: Y pads K to 64."""
+    layer = nn.Linear(features, 96)
+    x, grad_y = _octaves(tokens, features, seed=1), _octaves(tokens, 96, seed=2)
+    report = Report({})
+    compiled = torch.compile(layer, backend=eager_mxfp8_backend(MXConfig(), report))
+    got = _run_linear(compiled, layer, x, grad_y)
+    want = _reference_linear(x, layer.weight.detach(), layer.bias.detach(), grad_y)
+    for name, g, w in zip(("y", "dx", "dw", "db"), got, want):
+        assert torch.equal(g, w), name
+    kinds = {d.kind: d for d in report.decisions}
+    assert set(kinds) == {"output", "input_grad", "weight_grad"}
+    assert all(d.decision == CONVERTED for d in report.decisions)
+    assert f"K={tokens} zero-padded to {-(-tokens // BLOCK) * BLOCK}" in kinds["weight_grad"].reason
+
+
+class _MLP(nn.Module):
+    def __init__(self, width=64, hidden=96):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))  # relu: exact, so the reference can follow
+
+
+def test_symbolic_lengths_are_padded_at_run_time_without_recompiling():
+    """Lengths 64, 96, 128: dynamo recompiles once with a symbolic token count; every GEMM of
+    every graph is converted; further lengths (not multiples of 32 included) reuse the
+    symbolic graph, pad at run time, and match the explicitly padded reference bit for bit."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _MLP()
+    report = Report({})
+    compiled = torch.compile(model, backend=eager_mxfp8_backend(MXConfig(), report))
+    for tokens in (64, 96, 128):
+        compiled(_octaves(2, tokens, 64, seed=tokens)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert report.decisions and all(d.decision == CONVERTED for d in report.decisions)
+    symbolic = [d for d in report.decisions if "zero-padded at run time" in d.reason]
+    assert {d.kind for d in symbolic} == {"weight_grad"}, [d.reason for d in report.decisions]
+    assert len(symbolic) == 2
+
+    for tokens in (100, 33):
+        x = _octaves(2, tokens, 64, seed=tokens)
+        grad = _octaves(2, tokens, 64, seed=tokens + 1)
+        model.zero_grad()
+        compiled(x).backward(grad)
+        got = [p.grad.clone() for p in (model.up.weight, model.down.weight)]
+
+        # The reference: every GEMM through _reference_linear, tokens flattened.
+        flat = x.reshape(-1, 64)
+        hidden = _padded_fake_quantize(flat, 1) @ _padded_fake_quantize(model.up.weight.detach().t(), 0)
+        hidden = (hidden + model.up.bias.detach()).requires_grad_()
+        act = F.relu(hidden)
+        _, d_act, dw_down, _ = _reference_linear(act.detach(), model.down.weight.detach(),
+                                                 model.down.bias.detach(), grad.reshape(-1, 64))
+        (d_hidden,) = torch.autograd.grad(act, hidden, d_act)
+        dw_up = _padded_fake_quantize(d_hidden.t(), 1) @ _padded_fake_quantize(flat, 0)
+        assert torch.equal(got[1], dw_down), tokens
+        assert torch.equal(got[0], dw_up), tokens
+    assert counters["stats"]["unique_graphs"] == 2, "a run-time length caused a recompilation"
+    torch._dynamo.reset()
