@@ -11,6 +11,7 @@ it cannot handle.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from .graph_facts import (
     shape_hint,
     tangent_placeholders,
 )
+from .grouped_gemm import CONTRACTION, GROUPED_MM, ROWS, describe, emit_grouped_gemm, grouped_flops, grouped_gemm
 from .mx_gemm import (
     ContractionPadding,
     contraction_padding,
@@ -156,6 +158,64 @@ def _rewrite(
     return build
 
 
+# transformers' MoE fallback ops (fp32 experts under torch.compile): custom ops with GEMMs inside.
+_OPAQUE_GROUPED = {
+    "transformers.grouped_mm_fallback.default": 1,  # Y = grouped(X, W): one GEMM
+    "transformers.grouped_mm_fallback_backward.default": 2,  # dX and dW
+}
+_OPAQUE_REASON = ("transformers' grouped_mm fallback op (its experts_implementation='grouped_mm' "
+                  "for non-bf16 weights under torch.compile) is opaque to the rewrite; bf16 experts "
+                  "use aten._grouped_mm, which is converted")
+
+
+def _graph_label(node: fx.Node, graph_name: str) -> str:
+    return "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
+
+
+def _opaque_grouped_decision(node: fx.Node, graph_name: str) -> GemmDecision:
+    """A kept row for a transformers fallback grouped GEMM, so that its FLOPs are counted."""
+    x, w = fake_value(node.args[0]), fake_value(node.args[1])  # input, weight come first in both
+    s, k = shape_hint(x)
+    n = shape_hint(w)[-1]
+    gemms = _OPAQUE_GROUPED[str(node.target)]
+    return GemmDecision(
+        graph=_graph_label(node, graph_name), node=node.name, op=str(node.target),
+        kind="output" if gemms == 1 else "input_grad", shapes=(shape_hint(x), shape_hint(w)),
+        flops=gemms * 2 * s * k * n, module=module_name(node), decision=KEPT, reason=_OPAQUE_REASON)
+
+
+def _grouped_decision(
+    gm: fx.GraphModule, node: fx.Node, kind: str, gradients: set[fx.Node], graph_name: str,
+    config: MXConfig,
+) -> tuple[GemmDecision, int]:
+    """Decide on (and convert) one aten._grouped_mm; returns the row and the nodes added."""
+    gemm = grouped_gemm(node)
+    lhs, rhs = fake_value(node.args[0]), fake_value(node.args[1])
+    row = dict(graph=_graph_label(node, graph_name), node=node.name, op=str(node.target),
+               shapes=(shape_hint(lhs), shape_hint(rhs)), module=module_name(node))
+    if isinstance(gemm, str):
+        flops = 2 * math.prod(shape_hint(lhs)) * shape_hint(rhs)[-1]
+        return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=gemm, **row), 0
+    kind = "weight_grad" if gemm.form == CONTRACTION else kind
+    row["op"] += f" [{gemm.groups} groups]"
+    flops = grouped_flops(gemm)
+    elems = tuple(config.grad_elem if n in gradients else config.forward_elem for n in (gemm.lhs, gemm.rhs))
+    length = lhs.shape[gemm.axes[0]]
+    padding = (contraction_padding(length, config.block_size) if gemm.form == ROWS
+               else ContractionPadding(length, config.block_size, padded=True))
+    reason = operand_dtype_reason({"lhs": lhs, "rhs": rhs}) or padding.keep_reason
+    reason = reason or selection_reason(node, flops, config)
+    if reason is None and kind == "weight_grad" and config.hp_weight_grad:
+        reason = "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
+    if reason is not None:
+        return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=reason, **row), 0
+    operands = tuple(OperandQuantization(n.name, shape_hint(fake_value(n)), axis, elem)
+                     for n, axis, elem in zip((gemm.lhs, gemm.rhs), gemm.axes, elems))
+    build = emit_grouped_gemm(gm, node, gemm, elems, padding, config)
+    return GemmDecision(kind=kind, flops=flops, decision=CONVERTED, reason=describe(gemm, padding),
+                        operands=operands, **row), len(build.added)
+
+
 def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:
     """Rewrite the GEMMs of one graph in place; return the decisions and node counts."""
     weight_grads = _weight_grad_outputs(gm)
@@ -163,7 +223,19 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):
-        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" and "mxcompile_attention" not in node.meta else None  # attention_rewrite decided on claimed nodes
+        if node.op != "call_function" or "mxcompile_attention" in node.meta:  # attention_rewrite decided
+            continue
+        if str(node.target) in _OPAQUE_GROUPED:
+            decisions.append(_opaque_grouped_decision(node, graph_name))
+            continue
+        if node.target is GROUPED_MM:
+            decision, count = _grouped_decision(gm, node, _gemm_kind(node, weight_grads), gradients,
+                                                graph_name, config)
+            decisions.append(decision)
+            added += count
+            removed += decision.decision == CONVERTED
+            continue
+        pattern = GEMM_PATTERNS.get(node.target)
         if pattern is None:
             continue
         lhs_node, rhs_node = node.args[pattern.lhs_arg], node.args[pattern.rhs_arg]
@@ -181,7 +253,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0]),
             OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1]),
         )
-        graph = "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
+        graph = _graph_label(node, graph_name)
         if reason is None:
             reason = f"operands quantized along their contraction axis ({padding.describe()})"
             decision = CONVERTED
