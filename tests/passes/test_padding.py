@@ -161,3 +161,34 @@ def test_inductor_lowers_the_run_time_padded_graph_like_the_eager_pipeline():
     for tokens in (65, 100):
         for eager, inductor in zip(results["eager", tokens], results["inductor", tokens]):
             assert sqnr_db(eager, inductor) >= 60, tokens
+
+
+def test_hf_llama_trained_at_three_lengths_converts_every_gemm_of_every_graph():
+    """An HF Llama (sdpa attention, GQA, RoPE) trained at 64, 96 and 128 tokens: dynamo
+    recompiles once with a symbolic sequence length and keeps that graph for 128; every GEMM
+    (attention included) of both compiled graphs is MX, the symbolic ones padded at run time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).train()
+    report = Report({})
+    calls = []
+    backend = eager_mxfp8_backend(report=report)
+
+    def counting(gm, example_inputs):
+        calls.append(gm)
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting)
+    for tokens in (64, 96, 128):
+        ids = torch.randint(0, 128, (2, tokens))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+    assert len(calls) == 2, len(calls)
+    kept = [(d.op, d.reason) for d in report.decisions if d.decision != CONVERTED]
+    assert report.decisions and not kept, kept
+    assert any("zero-padded at run time" in d.reason for d in report.decisions if d.kind == "attention")
+    assert any("zero-padded at run time" in d.reason for d in report.decisions if d.kind == "weight_grad")
