@@ -8,22 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import mxcompile
+from padding_testing import octaves, train_at_lengths
 from mx_testing import eager_mxfp8_backend, fake_quantize
 from mxcompile.report import CONVERTED, KEPT, Report
 
 BLOCK = 32
 OFFSETS = (10, 40, 40, 100)  # 4 experts with 10, 30, 0 and 60 tokens: none a multiple of 32
 TOKENS, K, N = 100, 64, 96
-
-
-def _octaves(*shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g)
-    for axis, size in enumerate(shape):
-        view = [1] * len(shape)
-        view[axis] = size
-        x = x * 2.0 ** torch.randint(-6, 7, (size,), generator=g).float().view(view)
-    return x
 
 
 def _grouped(x, w, offs):
@@ -54,8 +45,8 @@ def _reference(x, w, offs, grad_y):
 
 def test_grouped_gemms_match_explicit_per_expert_padding_bit_for_bit():
     """bf16, as aten._grouped_mm requires under torch.compile."""
-    x, w = _octaves(TOKENS, K, seed=1).bfloat16(), _octaves(4, K, N, seed=2).bfloat16()
-    grad_y = _octaves(TOKENS, N, seed=3).bfloat16()
+    x, w = octaves(TOKENS, K, seed=1).bfloat16(), octaves(4, K, N, seed=2).bfloat16()
+    grad_y = octaves(TOKENS, N, seed=3).bfloat16()
     offs = torch.tensor(OFFSETS, dtype=torch.int32)
     report = Report({})
     compiled = torch.compile(_grouped, backend=eager_mxfp8_backend(report=report))
@@ -89,20 +80,8 @@ def test_tiny_mixtral_trained_at_three_lengths_converts_its_experts():
     GEMM FLOPs are converted."""
     model = _tiny_mixtral(torch.bfloat16)
     report = Report({})
-    calls = []
-    backend = eager_mxfp8_backend(report=report)
-
-    def counting(gm, example_inputs):
-        calls.append(gm)
-        return backend(gm, example_inputs)
-
-    compiled = torch.compile(model, backend=counting)
-    for tokens in (64, 96, 128):
-        ids = torch.randint(0, 128, (2, tokens))
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-    assert len(calls) == 2 and report.fallbacks == []
+    compiles = train_at_lengths(model, report, (64, 96, 128))
+    assert compiles == 2 and report.fallbacks == []
     grouped = [d for d in report.decisions if "_grouped_mm" in d.op]
     assert len(grouped) == 12  # 2 graphs x (gate_up, down) x (forward, input grad, weight grad)
     assert all(d.decision == CONVERTED and "[4 groups]" in d.op for d in grouped), grouped

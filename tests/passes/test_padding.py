@@ -11,23 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
+from padding_testing import octaves, train_at_lengths
 from mx_testing import eager_mxfp8_backend, fake_quantize, sqnr_db
 from mxcompile.config import MXConfig
 from mxcompile.report import CONVERTED, Report
 
 BLOCK = 32
-
-
-def _octaves(*shape, seed=0):
-    """Values whose magnitude varies over several octaves along every axis, so that a wrong
-    quantization axis or a block straddling the padding changes the result (FACTS.md)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g)
-    for axis, size in enumerate(shape):
-        view = [1] * len(shape)
-        view[axis] = size
-        x = x * 2.0 ** torch.randint(-6, 7, (size,), generator=g).float().view(view)
-    return x
 
 
 def _padded_fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -57,7 +46,7 @@ def _run_linear(compiled, layer, x, grad_y):
 def test_padded_linear_is_bit_identical_to_explicit_padding(tokens, features):
     """260 tokens: dW contracts over tokens (260 -> 288); 40 input features: Y pads K to 64."""
     layer = nn.Linear(features, 96)
-    x, grad_y = _octaves(tokens, features, seed=1), _octaves(tokens, 96, seed=2)
+    x, grad_y = octaves(tokens, features, seed=1), octaves(tokens, 96, seed=2)
     report = Report({})
     compiled = torch.compile(layer, backend=eager_mxfp8_backend(MXConfig(), report))
     got = _run_linear(compiled, layer, x, grad_y)
@@ -88,7 +77,7 @@ def test_symbolic_lengths_are_padded_at_run_time_without_recompiling():
     report = Report({})
     compiled = torch.compile(model, backend=eager_mxfp8_backend(MXConfig(), report))
     for tokens in (64, 96, 128):
-        compiled(_octaves(2, tokens, 64, seed=tokens)).sum().backward()
+        compiled(octaves(2, tokens, 64, seed=tokens)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert report.decisions and all(d.decision == CONVERTED for d in report.decisions)
     symbolic = [d for d in report.decisions if "zero-padded at run time" in d.reason]
@@ -96,8 +85,8 @@ def test_symbolic_lengths_are_padded_at_run_time_without_recompiling():
     assert len(symbolic) == 2
 
     for tokens in (100, 33):
-        x = _octaves(2, tokens, 64, seed=tokens)
-        grad = _octaves(2, tokens, 64, seed=tokens + 1)
+        x = octaves(2, tokens, 64, seed=tokens)
+        grad = octaves(2, tokens, 64, seed=tokens + 1)
         model.zero_grad()
         compiled(x).backward(grad)
         got = [p.grad.clone() for p in (model.up.weight, model.down.weight)]
@@ -151,11 +140,11 @@ def test_inductor_lowers_the_run_time_padded_graph_like_the_eager_pipeline():
 
         compiled = torch.compile(model, backend=counting)
         for tokens in (65, 100):
-            x = _octaves(2, tokens, 64, seed=tokens)
+            x = octaves(2, tokens, 64, seed=tokens)
             torch._dynamo.mark_dynamic(x, 1)
             model.zero_grad()
             y = compiled(x)
-            y.backward(_octaves(2, tokens, 64, seed=tokens + 1))
+            y.backward(octaves(2, tokens, 64, seed=tokens + 1))
             results[name, tokens] = (y.detach(), model.qkv.weight.grad.clone())
         assert len(calls) == 1, (name, len(calls))
     for tokens in (65, 100):
@@ -174,20 +163,8 @@ def test_hf_llama_trained_at_three_lengths_converts_every_gemm_of_every_graph():
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
     model = LlamaForCausalLM(config).train()
     report = Report({})
-    calls = []
-    backend = eager_mxfp8_backend(report=report)
-
-    def counting(gm, example_inputs):
-        calls.append(gm)
-        return backend(gm, example_inputs)
-
-    compiled = torch.compile(model, backend=counting)
-    for tokens in (64, 96, 128):
-        ids = torch.randint(0, 128, (2, tokens))
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert torch.isfinite(loss)
-    assert len(calls) == 2, len(calls)
+    compiles = train_at_lengths(model, report, (64, 96, 128))
+    assert compiles == 2, compiles
     kept = [(d.op, d.reason) for d in report.decisions if d.decision != CONVERTED]
     assert report.decisions and not kept, kept
     assert any("zero-padded at run time" in d.reason for d in report.decisions if d.kind == "attention")
