@@ -58,8 +58,6 @@ from ..config import MXConfig
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_checks import check_attention_inputs
 from ..ops.attention_reference import default_key_tile
-from ..ops.mx_mm import MX_MM
-from ..ops.quantize import QUANTIZE
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -73,12 +71,20 @@ from .graph_facts import (
     tangent_placeholders,
 )
 from .meta_keys import CLAIMED_KEY
+from .mx_gemm import (
+    ContractionPadding,
+    contraction_padding,
+    emit_mx_gemm,
+    operand_dtype_reason,
+    pad_along,
+    selection_reason,
+    size_value,
+)
 
 NAME = "attention_rewrite"
 KIND = "attention"
 
 aten = torch.ops.aten
-_MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The six GEMMs of attention, by role.
 S_QK = "S = Q·Kᵀ"
@@ -173,12 +179,40 @@ def bound_arguments(node: fx.Node) -> dict[str, Any]:
     return bound
 
 
+@dataclass(frozen=True)
+class SequencePadding:
+    """How a fused attention's sequence lengths reach multiples of block_size (mx_gemm's rule:
+    keys always, since O = P·V and dQ = dS·K contract over them; queries when training, since
+    dV = Pᵀ·dO and dK = dSᵀ·Q contract over them). Padded keys and values are zeros and the
+    padded keys are masked (score -inf, probability 0), except under a causal mask on a square
+    (query length == key length), which already hides them from every real query; padded
+    queries are zeros, their gradient rows zeros, and their output rows are sliced off."""
+
+    key: ContractionPadding
+    query: ContractionPadding | None  # None: the query length is not blocked (inference)
+    mask_keys: bool  # padded keys need a mask
+
+    @property
+    def active(self) -> bool:
+        return self.key.padded or (self.query is not None and self.query.padded)
+
+    def describe(self) -> str:
+        parts = []
+        if self.key.padded:
+            masked = "masked" if self.mask_keys else "hidden by the causal mask"
+            parts.append(f"{self.key.describe('key length ')}, padded keys {masked}")
+        if self.query is not None and self.query.padded:
+            parts.append(f"{self.query.describe('query length ')}, padded queries sliced off")
+        return "; ".join(parts)
+
+
 @dataclass
 class FusedSite:
     pattern: FusedAttentionPattern
     forward: fx.Node
     backward: fx.Node | None = None
     duplicate_backward: bool = False
+    padding: SequencePadding | None = None  # set by _fused_ineligibility
 
 
 def _fused_sites(gm: fx.GraphModule) -> list[FusedSite]:
@@ -240,14 +274,24 @@ def _fused_ineligibility(gm: fx.GraphModule, site: FusedSite, config: MXConfig) 
     if mask_node is not None and not isinstance(mask, torch.Tensor):
         return "the attention mask has no fake tensor value"
     training = site.backward is not None
-    sizes = {"head_dim": q.shape[-1], "value head_dim": v.shape[-1], "key length": k.shape[-2]}
-    if training:
-        sizes["query length"] = q.shape[-2]
-    for what, size in sizes.items():
+    for what, size in {"head_dim": q.shape[-1], "value head_dim": v.shape[-1]}.items():
         if not isinstance(size, int) and not statically_known_true(size % config.block_size == 0):
             return f"symbolic {what} {size} is not provably divisible by block_size={config.block_size}"
-    hinted = [torch.empty(shape_hint(t), dtype=t.dtype, device="meta") for t in (q, k, v)]
-    hinted_mask = torch.empty(shape_hint(mask), dtype=mask.dtype, device="meta") if mask is not None else None
+    padding = _sequence_padding(q, k, mask, training, bool(fwd.get("is_causal", False)), config)
+    if isinstance(padding, str):
+        return padding
+    site.padding = padding
+    padded_len = {2: _padded_hint(padding.query, q.shape[2]), -2: _padded_hint(padding.query, q.shape[2]),
+                  -1: _padded_hint(padding.key, k.shape[2])}
+    hinted = [torch.empty((*shape_hint(t)[:2], padded_len[2 if t is q else -1], shape_hint(t)[3]),
+                          dtype=t.dtype, device="meta") for t in (q, k, v)]
+    hinted_mask = None
+    if mask is not None:
+        mask_shape = list(shape_hint(mask))
+        for axis in (-2, -1):
+            if mask.ndim >= -axis and mask_shape[axis] != 1:
+                mask_shape[axis] = padded_len[axis]
+        hinted_mask = torch.empty(mask_shape, dtype=mask.dtype, device="meta")
     reason = check_attention_inputs(*hinted, hinted_mask, config.block_size, need_query_blocks=training)
     if reason is not None:
         return reason
@@ -262,7 +306,7 @@ def _fused_ineligibility(gm: fx.GraphModule, site: FusedSite, config: MXConfig) 
         for index, item in _getitem_users(site.backward).items():
             if index in site.pattern.backward_extra_outputs and _consumers(item):
                 return f"backward output {index} (the mask's gradient) is used; MX attention has none"
-    mismatch = _layout_mismatch(gm, site, config)
+    mismatch = _layout_mismatch(gm, site, config) if not padding.active else _undense_output(site)
     if mismatch is not None:
         return mismatch
     selected, why_not = config.module_selected(module_name(site.forward))
@@ -271,6 +315,62 @@ def _fused_ineligibility(gm: fx.GraphModule, site: FusedSite, config: MXConfig) 
     if 2 * math.prod(shape_hint(q)) * shape_hint(k)[-2] < config.min_gemm_flops:
         return f"attention GEMMs are below min_gemm_flops={config.min_gemm_flops}"
     return None
+
+
+def _padded_hint(padding: ContractionPadding | None, length: Any) -> int:
+    hint = concrete_int(length)
+    if padding is None or not padding.padded:
+        return hint
+    return -(-hint // padding.block_size) * padding.block_size
+
+
+def _sequence_padding(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, training: bool,
+                      is_causal: bool, config: MXConfig) -> SequencePadding | str:
+    """The padding of one fused attention, or why its lengths keep it in high precision."""
+    key = contraction_padding(k.shape[2], config.block_size)
+    query = contraction_padding(q.shape[2], config.block_size) if training else None
+    for what, padding in (("key length", key), ("query length", query)):
+        if padding is not None and padding.keep_reason is not None:
+            return f"{what}: {padding.keep_reason}"
+    square_causal = is_causal and statically_known_true(q.shape[2] == k.shape[2])
+    mask_keys = key.padded and not square_causal
+    if mask is not None and mask.ndim >= 1 and key.padded:
+        if not statically_known_true(mask.shape[-1] == k.shape[2]):
+            return (f"attn_mask {shape_hint(mask)} is not given per key (length {concrete_int(k.shape[2])}), "
+                    "so the padded keys cannot be masked in it")
+    if mask is not None and mask.ndim >= 2 and query is not None and query.padded:
+        if not (statically_known_true(mask.shape[-2] == 1) or statically_known_true(mask.shape[-2] == q.shape[2])):
+            return f"attn_mask {shape_hint(mask)} does not have the query length on its second-last axis"
+    return SequencePadding(key, query, mask_keys)
+
+
+def _undense_output(site: FusedSite) -> str | None:
+    """Why a padded site's outputs cannot be given back the layout the graph was traced with
+    (`_restore_layout` rebuilds dense layouts only), or None."""
+    items = [(site.forward, _forward_output(site))]
+    if site.backward is not None:
+        items += [(site.backward, item) for index, item in _getitem_users(site.backward).items() if index < 3]
+    for op_node, item in items:
+        value = fake_value(item) if item is not None else None
+        if isinstance(value, torch.Tensor) and not _is_dense(value):
+            return f"output {item.name} of {op_node.target} is not dense ({_describe(value)})"
+    return None
+
+
+def _dense_order(value: torch.Tensor) -> list[int]:
+    """value's dims from the largest stride to the smallest (by the strides' hints)."""
+    strides = [concrete_int(s) or 0 for s in value.stride()]
+    return sorted(range(value.ndim), key=lambda d: -strides[d])
+
+
+def _is_dense(value: torch.Tensor) -> bool:
+    expected = 1
+    for dim in reversed(_dense_order(value)):
+        size = concrete_int(value.shape[dim])
+        if size != 1 and concrete_int(value.stride()[dim]) != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _forward_output(site: FusedSite) -> fx.Node | None:
@@ -312,7 +412,10 @@ def _same_layout(new: Any, old: Any) -> bool:
     """Same shape, dtype and strides (size-1 dims may differ in stride)."""
     if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)):
         return False
-    if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+    if new.ndim != old.ndim or new.dtype != old.dtype:
+        return False
+    # statically_known_true, never ==: a comparison of symbolic sizes would add a guard.
+    if not all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
         return False
     return all(statically_known_true(size == 1) or statically_known_true(a == b)
                for size, a, b in zip(new.shape, new.stride(), old.stride()))
@@ -388,36 +491,97 @@ def _operand_elem(role: str, operand_index: int, config: MXConfig) -> str:
 
 
 def _replace_fused(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> int:
-    """Swap the aten forward (and backward) node for the mxcompile attention ops; returns the
-    number of nodes added."""
+    """Swap the aten forward (and backward) node for the mxcompile attention ops, padding the
+    sequences as site.padding says; returns the number of nodes added."""
     arguments = _op_arguments(site, config)
+    padding = site.padding if site.padding is not None and site.padding.active else None
     build = NodeBuilder(gm, site.forward)
-    new_fwd = build.call(ATTENTION, *arguments.forward)
+    forward_args, mask = list(arguments.forward), None
+    if padding is not None:
+        mask = _padded_mask(build, arguments.forward[1], arguments.forward[3], padding, config.block_size)
+        forward_args[:4] = [*_padded_qkv(build, arguments.forward[:3], padding, config.block_size), mask]
+    new_fwd = build.call(ATTENTION, *forward_args)
     out = build.call(operator.getitem, new_fwd, 0)
     lse = build.call(operator.getitem, new_fwd, 1)
+    fwd_output = _forward_output(site)
+    result = out if padding is None else _unpadded(build, out, arguments.forward[0], fake_value(fwd_output))
     added = len(build.added)
 
     dead: list[fx.Node] = []
     if site.backward is not None:
         bbuild = NodeBuilder(gm, site.backward)
         values = [out if a is _OUT else lse if a is _LSE else a for a in arguments.backward]
+        if padding is not None:
+            grad_out = pad_along(bbuild, values[0], 2, config.block_size)
+            values[:5] = [grad_out, *_padded_qkv(bbuild, values[1:4], padding, config.block_size), mask]
         new_bwd = bbuild.call(ATTENTION_BACKWARD, *values)
         for index, item in _getitem_users(site.backward).items():
             if index < 3:
-                item.replace_all_uses_with(bbuild.call(operator.getitem, new_bwd, index))
+                grad = bbuild.call(operator.getitem, new_bwd, index)
+                if padding is not None:
+                    grad = _unpadded(bbuild, grad, arguments.backward[1 + index], fake_value(item))
+                item.replace_all_uses_with(grad)
             dead.append(item)
         added += len(bbuild.added)
         dead.append(site.backward)
     if site.pattern.lse_output is None:
-        site.forward.replace_all_uses_with(out)
+        site.forward.replace_all_uses_with(result)
     else:
         for index, item in _getitem_users(site.forward).items():
             if index == 0:
-                item.replace_all_uses_with(out)
+                item.replace_all_uses_with(result)
             dead.append(item)
     dead.append(site.forward)
     _erase_unused(gm, dead)
     return added
+
+
+def _padded_qkv(build: NodeBuilder, qkv: Any, padding: SequencePadding, block_size: int) -> list[Any]:
+    """q (when its length is blocked), k and v zero-padded along the sequence axis."""
+    q, k, v = qkv
+    if padding.query is not None and padding.query.padded:
+        q = pad_along(build, q, 2, block_size)
+    if padding.key.padded:
+        k, v = pad_along(build, k, 2, block_size), pad_along(build, v, 2, block_size)
+    return [q, k, v]
+
+
+def _padded_mask(build: NodeBuilder, key: fx.Node, mask: Any, padding: SequencePadding,
+                 block_size: int) -> Any:
+    """The mask for the padded sequences: the model's mask with -inf (False) for padded keys and
+    0 (True) rows for padded queries, or, without one, a boolean mask of the real keys when the
+    padded keys need one."""
+    if mask is None:
+        if not padding.mask_keys:
+            return None
+        keys = build.call(aten.new_ones.default, key, [size_value(build, key, 2)], dtype=torch.bool)
+        return pad_along(build, keys, 0, block_size, False)
+    is_bool = fake_value(mask).dtype == torch.bool
+    if padding.key.padded:
+        mask = pad_along(build, mask, -1, block_size, False if is_bool else -math.inf)
+    value = fake_value(mask)
+    if (padding.query is not None and padding.query.padded and value.ndim >= 2
+            and not statically_known_true(value.shape[-2] == 1)):
+        mask = pad_along(build, mask, -2, block_size, True if is_bool else 0.0)
+    return mask
+
+
+def _unpadded(build: NodeBuilder, padded: fx.Node, like_node: fx.Node, like: torch.Tensor) -> fx.Node:
+    """padded cut back to like's sequence length (axis 2, as like_node has it), in like's
+    dense layout, so that the nodes after it see the tensor they were traced with."""
+    if _same_layout(fake_value(padded), like):  # this sequence was not padded
+        return padded
+    length = size_value(build, like_node, 2)
+    sliced = build.call(aten.slice.Tensor, padded, 2, 0, length)
+    order = _dense_order(like)
+    inverse = [order.index(d) for d in range(like.ndim)]
+    dense = build.call(aten.clone.default, build.call(aten.permute.default, sliced, order),
+                       memory_format=torch.contiguous_format)
+    result = build.call(aten.permute.default, dense, inverse)
+    if not _same_layout(fake_value(result), like):
+        raise RuntimeError(f"padded attention output {_describe(fake_value(result))} does not match "
+                           f"the traced {_describe(like)}")
+    return result
 
 
 def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
@@ -596,23 +760,16 @@ def _eager_sites(gm: fx.GraphModule) -> list[EagerSite]:
     return sites
 
 
-def _eager_ineligibility(node: fx.Node, role: str, config: MXConfig) -> str | None:
+def _eager_ineligibility(node: fx.Node, role: str, padding: ContractionPadding, config: MXConfig) -> str | None:
     reason = _mx_role(role, config)
     if reason is not None:
         return reason
-    lhs, rhs = fake_value(node.args[0]), fake_value(node.args[1])
-    for name, t in (("lhs", lhs), ("rhs", rhs)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _MX_DTYPES:
-            return f"{name} dtype {getattr(t, 'dtype', None)} is not one of {[str(d) for d in _MX_DTYPES]}"
-    k = lhs.shape[2]
-    if not statically_known_true(k % config.block_size == 0):
-        return f"contraction length {k} is not divisible by block_size={config.block_size}"
-    selected, why_not = config.module_selected(module_name(node))
-    if not selected:
-        return why_not
-    if _bmm_flops(node) < config.min_gemm_flops:
-        return f"{_bmm_flops(node)} FLOPs is below min_gemm_flops={config.min_gemm_flops}"
-    return None
+    reason = operand_dtype_reason({"lhs": fake_value(node.args[0]), "rhs": fake_value(node.args[1])})
+    if reason is not None:
+        return reason
+    if padding.keep_reason is not None:
+        return padding.keep_reason
+    return selection_reason(node, _bmm_flops(node), config)
 
 
 def _bmm_flops(node: fx.Node) -> int:
@@ -620,16 +777,11 @@ def _bmm_flops(node: fx.Node) -> int:
     return 2 * batch * m * k * shape_hint(fake_value(node.args[1]))[2]
 
 
-def _convert_bmm(gm: fx.GraphModule, node: fx.Node, elems: tuple[str, str], config: MXConfig) -> int:
-    """bmm(a, b) -> mx_mm(quantize(a, along 2), quantize(b, along 1)); returns nodes added."""
-    build = NodeBuilder(gm, node)
-    quantized = []
-    for operand, axis, elem in ((node.args[0], 2, elems[0]), (node.args[1], 1, elems[1])):
-        q = build.call(QUANTIZE, operand, axis, elem,
-                       config.scale_mode, config.block_size)
-        quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
-    out_dtype = fake_value(node).dtype
-    result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
+def _convert_bmm(gm: fx.GraphModule, node: fx.Node, elems: tuple[str, str], padding: ContractionPadding,
+                 config: MXConfig) -> int:
+    """bmm(a, b) -> mx_mm(quantize(a, along 2), quantize(b, along 1)), zero-padded along the
+    contraction when needed (mx_gemm); returns nodes added."""
+    result, build = emit_mx_gemm(gm, node, node.args[0], node.args[1], (2, 1), elems, padding, config)
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
     return len(build.added)
@@ -651,8 +803,9 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
             converted = role_reason is None
             elems = tuple(_operand_elem(role, i, config) for i in range(2))
             if converted:
+                padded = f"; {site.padding.describe()}" if site.padding is not None and site.padding.active else ""
                 role_reason = (f"{role}: {ROLE_QUANTIZATION[role]} (MX attention op, key-tiled, "
-                               f"fp32 online softmax; pattern {site.pattern.name})")
+                               f"fp32 online softmax; pattern {site.pattern.name}{padded})")
             elif replace:
                 role_reason += f" (inside the MX attention op; pattern {site.pattern.name})"
             else:
@@ -678,13 +831,14 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
             lhs_node, rhs_node = node.args[0], node.args[1]
             lhs, rhs = fake_value(lhs_node), fake_value(rhs_node)
             elems = tuple(config.grad_elem if n in gradients else config.forward_elem for n in (lhs_node, rhs_node))
-            reason = _eager_ineligibility(node, role, config)
+            padding = contraction_padding(lhs.shape[2], config.block_size)
+            reason = _eager_ineligibility(node, role, padding, config)
             flops = _bmm_flops(node)
             decision = GemmDecision(
                 graph=_graph_label(node, graph_name), node=node.name, op=f"{node.target} [{role}]",
                 kind=KIND, shapes=(shape_hint(lhs), shape_hint(rhs)), flops=flops,
                 module=module_name(node), decision=CONVERTED if reason is None else KEPT,
-                reason=(f"{role}: {ROLE_QUANTIZATION[role]} (K={concrete_int(lhs.shape[2])}; "
+                reason=(f"{role}: {ROLE_QUANTIZATION[role]} ({padding.describe()}; "
                         "eager softmax attention)") if reason is None
                 else f"{role}: {reason} (eager softmax attention)",
                 operands=(
@@ -694,7 +848,7 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
             )
             decisions.append(decision)
             if reason is None:
-                added += _convert_bmm(gm, node, elems, config)
+                added += _convert_bmm(gm, node, elems, padding, config)
                 removed += 1
             else:
                 node.meta[CLAIMED_KEY] = role

@@ -3,24 +3,23 @@
 Each operand is quantized along its own contraction axis, so a linear layer's three GEMMs get
 the recipe's axes: Y = X Wt (X and W along K), dX = dY W (dY and W along N) and
 dW = dYt X (dY and X along M, the token axis). Bias, alpha and beta are applied in high
-precision after the GEMM; the output keeps its dtype. An ineligible GEMM stays as it is and the
-reason is recorded; this pass never raises on a model it cannot handle.
+precision after the GEMM; the output keeps its dtype. A contraction length that is not a
+multiple of block_size is zero-padded (static or at run time; the rule is in mx_gemm). An
+ineligible GEMM stays as it is and the reason is recorded; this pass never raises on a model
+it cannot handle.
 """
 
 from __future__ import annotations
 
-import operator
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import MXConfig
 from ..distributed.shard_check import sharded_contraction_reason
-from ..ops.mx_mm import MX_MM
-from ..ops.quantize import QUANTIZE
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -34,11 +33,18 @@ from .graph_facts import (
     tangent_placeholders,
 )
 from .meta_keys import CLAIMED_KEY
+from .grouped_gemm import CONTRACTION, GROUPED_MM, ROWS, describe, emit_grouped_gemm, grouped_flops, grouped_gemm
+from .mx_gemm import (
+    ContractionPadding,
+    contraction_padding,
+    emit_mx_gemm,
+    operand_dtype_reason,
+    selection_reason,
+)
 
 NAME = "gemm_rewrite"
 
 aten = torch.ops.aten
-_MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Ops through which a GEMM's output still "is" a weight gradient on its way to the graph output.
 _VIEW_LIKE = {
@@ -107,29 +113,23 @@ def _gemm_flops(lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern) -> i
 
 def _ineligibility(
     node: fx.Node, lhs: torch.Tensor, rhs: torch.Tensor, pattern: GemmPattern, flops: int,
-    kind: str, module: str, config: MXConfig,
+    kind: str, padding: ContractionPadding, config: MXConfig,
 ) -> str | None:
     """Why this GEMM must stay in high precision, or None when it can be converted."""
-    for name, t in (("lhs", lhs), ("rhs", rhs)):
-        if t.dtype not in _MX_DTYPES:
-            return f"{name} dtype {t.dtype} is not one of {[str(d) for d in _MX_DTYPES]}"
+    reason = operand_dtype_reason({"lhs": lhs, "rhs": rhs})
+    if reason is not None:
+        return reason
     misaligned = dict(graph_info(node.graph.owning_module).misaligned_shards)
     for arg, axis in ((pattern.lhs_arg, pattern.lhs_contraction_axis),
                       (pattern.rhs_arg, pattern.rhs_contraction_axis)):
         reason = sharded_contraction_reason(node.args[arg], axis, misaligned, config.block_size)
         if reason is not None:
             return reason
-    k = lhs.shape[pattern.lhs_contraction_axis]
-    if not statically_known_true(k % config.block_size == 0):
-        return (
-            f"contraction length {k} is not {'provably ' if not isinstance(k, int) else ''}"
-            f"divisible by block_size={config.block_size}"
-        )
-    if flops < config.min_gemm_flops:
-        return f"{flops} FLOPs is below min_gemm_flops={config.min_gemm_flops}"
-    selected, why_not = config.module_selected(module)
-    if not selected:
-        return why_not
+    if padding.keep_reason is not None:
+        return padding.keep_reason
+    reason = selection_reason(node, flops, config)
+    if reason is not None:
+        return reason
     if kind == "weight_grad" and config.hp_weight_grad:
         return "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
     return None
@@ -137,20 +137,13 @@ def _ineligibility(
 
 def _rewrite(
     gm: fx.GraphModule, node: fx.Node, pattern: GemmPattern, elems: tuple[str, str],
-    config: MXConfig,
+    padding: ContractionPadding, config: MXConfig,
 ) -> NodeBuilder:
-    build = NodeBuilder(gm, node)
-    out_dtype = fake_value(node).dtype
-    quantized = []
-    for arg_index, axis, elem in (
-        (pattern.lhs_arg, pattern.lhs_contraction_axis, elems[0]),
-        (pattern.rhs_arg, pattern.rhs_contraction_axis, elems[1]),
-    ):
-        q = build.call(QUANTIZE, node.args[arg_index], axis, elem,
-                       config.scale_mode, config.block_size)
-        quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
-    result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
+    result, build = emit_mx_gemm(
+        gm, node, node.args[pattern.lhs_arg], node.args[pattern.rhs_arg],
+        (pattern.lhs_contraction_axis, pattern.rhs_contraction_axis), elems, padding, config)
     if pattern.has_bias:
+        out_dtype = fake_value(node).dtype
         alpha = node.kwargs.get("alpha", 1)
         beta = node.kwargs.get("beta", 1)
         result = build.call(torch.ops.prims.convert_element_type.default, result, torch.float32)
@@ -166,6 +159,64 @@ def _rewrite(
     return build
 
 
+# transformers' MoE fallback ops (fp32 experts under torch.compile): custom ops with GEMMs inside.
+_OPAQUE_GROUPED = {
+    "transformers.grouped_mm_fallback.default": 1,  # Y = grouped(X, W): one GEMM
+    "transformers.grouped_mm_fallback_backward.default": 2,  # dX and dW
+}
+_OPAQUE_REASON = ("transformers' grouped_mm fallback op (its experts_implementation='grouped_mm' "
+                  "for non-bf16 weights under torch.compile) is opaque to the rewrite; bf16 experts "
+                  "use aten._grouped_mm, which is converted")
+
+
+def _graph_label(node: fx.Node, graph_name: str) -> str:
+    return "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
+
+
+def _opaque_grouped_decision(node: fx.Node, graph_name: str) -> GemmDecision:
+    """A kept row for a transformers fallback grouped GEMM, so that its FLOPs are counted."""
+    x, w = fake_value(node.args[0]), fake_value(node.args[1])  # input, weight come first in both
+    s, k = shape_hint(x)
+    n = shape_hint(w)[-1]
+    gemms = _OPAQUE_GROUPED[str(node.target)]
+    return GemmDecision(
+        graph=_graph_label(node, graph_name), node=node.name, op=str(node.target),
+        kind="output" if gemms == 1 else "input_grad", shapes=(shape_hint(x), shape_hint(w)),
+        flops=gemms * 2 * s * k * n, module=module_name(node), decision=KEPT, reason=_OPAQUE_REASON)
+
+
+def _grouped_decision(
+    gm: fx.GraphModule, node: fx.Node, kind: str, gradients: set[fx.Node], graph_name: str,
+    config: MXConfig,
+) -> tuple[GemmDecision, int]:
+    """Decide on (and convert) one aten._grouped_mm; returns the row and the nodes added."""
+    gemm = grouped_gemm(node)
+    lhs, rhs = fake_value(node.args[0]), fake_value(node.args[1])
+    row = dict(graph=_graph_label(node, graph_name), node=node.name, op=str(node.target),
+               shapes=(shape_hint(lhs), shape_hint(rhs)), module=module_name(node))
+    if isinstance(gemm, str):
+        flops = 2 * math.prod(shape_hint(lhs)) * shape_hint(rhs)[-1]
+        return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=gemm, **row), 0
+    kind = "weight_grad" if gemm.form == CONTRACTION else kind
+    row["op"] += f" [{gemm.groups} groups]"
+    flops = grouped_flops(gemm)
+    elems = tuple(config.grad_elem if n in gradients else config.forward_elem for n in (gemm.lhs, gemm.rhs))
+    length = lhs.shape[gemm.axes[0]]
+    padding = (contraction_padding(length, config.block_size) if gemm.form == ROWS
+               else ContractionPadding(length, config.block_size, padded=True))
+    reason = operand_dtype_reason({"lhs": lhs, "rhs": rhs}) or padding.keep_reason
+    reason = reason or selection_reason(node, flops, config)
+    if reason is None and kind == "weight_grad" and config.hp_weight_grad:
+        reason = "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
+    if reason is not None:
+        return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=reason, **row), 0
+    operands = tuple(OperandQuantization(n.name, shape_hint(fake_value(n)), axis, elem)
+                     for n, axis, elem in zip((gemm.lhs, gemm.rhs), gemm.axes, elems))
+    build = emit_grouped_gemm(gm, node, gemm, elems, padding, config)
+    return GemmDecision(kind=kind, flops=flops, decision=CONVERTED, reason=describe(gemm, padding),
+                        operands=operands, **row), len(build.added)
+
+
 def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:
     """Rewrite the GEMMs of one graph in place; return the decisions and node counts."""
     weight_grads = _weight_grad_outputs(gm)
@@ -173,7 +224,19 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):
-        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" and CLAIMED_KEY not in node.meta else None  # attention_rewrite decided on claimed nodes
+        if node.op != "call_function" or CLAIMED_KEY in node.meta:  # attention_rewrite decided
+            continue
+        if str(node.target) in _OPAQUE_GROUPED:
+            decisions.append(_opaque_grouped_decision(node, graph_name))
+            continue
+        if node.target is GROUPED_MM:
+            decision, count = _grouped_decision(gm, node, _gemm_kind(node, weight_grads), gradients,
+                                                graph_name, config)
+            decisions.append(decision)
+            added += count
+            removed += decision.decision == CONVERTED
+            continue
+        pattern = GEMM_PATTERNS.get(node.target)
         if pattern is None:
             continue
         lhs_node, rhs_node = node.args[pattern.lhs_arg], node.args[pattern.rhs_arg]
@@ -185,15 +248,15 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             config.grad_elem if operand in gradients else config.forward_elem
             for operand in (lhs_node, rhs_node)
         )
-        reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, module, config)
+        padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
+        reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, padding, config)
         operands = (
             OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0]),
             OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1]),
         )
-        graph = "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
+        graph = _graph_label(node, graph_name)
         if reason is None:
-            k = concrete_int(lhs.shape[pattern.lhs_contraction_axis])
-            reason = f"operands quantized along their contraction axis (K={k})"
+            reason = f"operands quantized along their contraction axis ({padding.describe()})"
             decision = CONVERTED
         else:
             decision = KEPT
@@ -203,7 +266,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             decision=decision, reason=reason, operands=operands if decision == CONVERTED else (),
         ))
         if decision == CONVERTED:
-            build = _rewrite(gm, node, pattern, elems, config)
+            build = _rewrite(gm, node, pattern, elems, padding, config)
             added += len(build.added)
             removed += 1
     if added:

@@ -113,15 +113,16 @@ class NodeBuilder:
         self.fake_mode = graph_fake_mode(gm)
         self.added: list[fx.Node] = []
 
-    def call(self, target: Callable, *args: Any) -> fx.Node:
+    def call(self, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
-        fake_args = [fake_value(a) for a in args]
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args = fx.node.map_aggregate(args, fake_value)  # nodes inside lists too
+        fake_kwargs = fx.node.map_aggregate(kwargs, fake_value)
         if self.fake_mode is not None:
             with self.fake_mode:
-                node.meta["val"] = target(*fake_args)
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
         else:
-            node.meta["val"] = target(*fake_args)
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
         for key in _COPIED_META:
             if key in self.anchor.meta:
                 node.meta[key] = self.anchor.meta[key]

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch import nn
 
 import mxcompile
@@ -180,63 +181,94 @@ def test_eager_attention_gemms_are_claimed_and_converted(case):
     _assert_accuracy(out, grads, *_reference(eager_attention, q, k, v, do, **kwargs))
 
 
-def test_sequence_length_not_divisible_by_block_size_falls_back_with_reason():
-    q, k, v, do = _inputs(q_len=48, k_len=48)
-    out, grads, report = _compile_and_run(sdpa, q, k, v, do, is_causal=True)
+ODD = 65  # HF ViT's 64 patches + CLS: neither keys nor queries fill blocks of 32
+ODD_CASES = {
+    "causal": lambda: dict(is_causal=True),
+    "plain": lambda: dict(),
+    "float_mask": lambda: dict(mask=_float_mask(q_len=ODD, k_len=ODD)),
+    "bool_mask": lambda: dict(mask=_bool_mask(q_len=ODD, k_len=ODD)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_CASES))
+def test_sdpa_with_key_length_65_is_padded_masked_and_sliced(case):
+    """Keys and values padded with zeros to 96 and the padded keys masked (no mask is needed
+    under a square causal mask); queries padded and their rows sliced off."""
+    kwargs = ODD_CASES[case]()
+    q, k, v, do = _inputs(q_len=ODD, k_len=ODD)
+    out, grads, report = _compile_and_run(sdpa, q, k, v, do, **kwargs)
     rows = _by_role(report)
     assert set(rows) == set(ALL_ROLES)
-    assert all(d.decision == KEPT for d in rows.values())
-    assert all("key length 48 is not divisible by block_size=32" in d.reason for d in rows.values())
-    assert "flash_attention_for_cpu.default" in _graph(report, "forward")
-    ref_out, ref_grads = _reference(sdpa, q, k, v, do, is_causal=True)
-    torch.testing.assert_close(out, ref_out)
-    for g, w in zip(grads, ref_grads):
-        torch.testing.assert_close(g, w)
+    assert all(d.decision == CONVERTED for d in rows.values()), rows
+    masked = "hidden by the causal mask" if case == "causal" else "padded keys masked"
+    for d in rows.values():
+        assert "key length 65 zero-padded to 96" in d.reason and masked in d.reason, d.reason
+        assert "query length 65 zero-padded to 96, padded queries sliced off" in d.reason
+    assert sum(rows[r].flops for r in FORWARD_ROLES) == 4 * B * HQ * ODD * ODD * D
+    forward = _graph(report, "forward")
+    assert "mxcompile.attention.default" in forward and "flash_attention" not in forward
+    assert "aten.constant_pad_nd" in forward
+    assert out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    _assert_accuracy(out, grads, *_reference(sdpa, q, k, v, do, **kwargs))
 
 
-def test_eager_attention_with_odd_length_converts_only_the_gemms_that_fit():
-    q, k, v, do = _inputs(q_len=48, k_len=48)
-    _, _, report = _compile_and_run(eager_attention, q, k, v, do, is_causal=True)
+@pytest.mark.parametrize("case", ["causal", "float_mask"])
+def test_eager_attention_with_length_65_pads_the_token_contractions(case):
+    kwargs = ODD_CASES[case]()
+    q, k, v, do = _inputs(q_len=ODD, k_len=ODD)
+    out, grads, report = _compile_and_run(eager_attention, q, k, v, do, **kwargs)
     rows = _by_role(report)
-    converted = {role for role, d in rows.items() if d.decision == CONVERTED}
-    assert converted == {S_QK, DP}  # the two that contract over head_dim
-    for role in (O_PV, DV, DQ, DK):
-        assert "contraction length 48 is not divisible by block_size=32" in rows[role].reason
-    assert "aten.bmm" in _graph(report, "forward")  # O = P·V kept, not converted by gemm_rewrite
+    assert all(d.decision == CONVERTED for d in rows.values()), rows
+    for role in (O_PV, DV, DQ, DK):  # contract over keys or queries
+        assert "K=65 zero-padded to 96" in rows[role].reason, rows[role].reason
+    for role in (S_QK, DP):  # contract over head_dim
+        assert f"(K={D};" in rows[role].reason
+    assert "aten.bmm" not in _graph(report, "forward") and "aten.bmm" not in _graph(report, "backward")
     assert all(d.kind == KIND for d in report.decisions)
+    _assert_accuracy(out, grads, *_reference(eager_attention, q, k, v, do, **kwargs))
 
 
-def test_query_length_matters_only_for_training():
-    """dV and dK contract over the queries, so a query length of 48 keeps training graphs in
-    high precision but not inference graphs."""
+def test_query_length_is_padded_only_for_training():
+    """dV and dK contract over the queries, so a query length of 48 is padded in training
+    graphs and left as it is in inference graphs."""
     q, k, v, do = _inputs(q_len=48, k_len=64)
-    _, _, report = _compile_and_run(sdpa, q, k, v, do)
-    assert all("query length 48 is not divisible" in d.reason for d in _attention_decisions(report))
+    out, grads, report = _compile_and_run(sdpa, q, k, v, do)
+    decisions = _attention_decisions(report)
+    assert all(d.decision == CONVERTED and "query length 48 zero-padded to 64" in d.reason for d in decisions)
+    _assert_accuracy(out, grads, *_reference(sdpa, q, k, v, do))
     report = Report({})
     compiled = torch.compile(sdpa, backend=eager_mxfp8_backend(MXConfig(), report))
     with torch.no_grad():
         out = compiled(q, k, v)
     rows = _by_role(report)
     assert set(rows) == set(FORWARD_ROLES)
-    assert all(d.decision == CONVERTED and d.graph == "inference" for d in rows.values())
+    assert all(d.decision == CONVERTED and d.graph == "inference" and "padded" not in d.reason
+               for d in rows.values())
     assert sqnr_db(sdpa(q, k, v), out) >= OUT_SQNR_DB
 
 
-def test_dynamic_sequence_length_is_kept_when_divisibility_is_unknown():
-    """With symbolic sizes the pass cannot prove blocks of 32 fit: it keeps aten's attention
-    with that reason instead of failing."""
-    q, k, v, do = _inputs()
+def test_dynamic_sequence_length_is_padded_at_run_time_without_recompiling():
+    """After a second length dynamo recompiles with a symbolic sequence length; blocks of 32
+    cannot be proven to fit, so the lengths are padded at run time and that one graph serves
+    every later length (65 and 100 included) without another compile."""
+    torch._dynamo.reset()
+    counters.clear()
     report = Report({})
     causal_sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    compiled = torch.compile(causal_sdpa, dynamic=True,
-                             backend=eager_mxfp8_backend(MXConfig(), report))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = compiled(q, k, v)
-    out.backward(do)
+    compiled = torch.compile(causal_sdpa, backend=eager_mxfp8_backend(MXConfig(), report))
+    for length in (64, 96, 65, 100):
+        q, k, v, do = _inputs(q_len=length, k_len=length, seed=length)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        _assert_accuracy(out.detach(), grads, *_reference(causal_sdpa, q, k, v, do))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     decisions = _attention_decisions(report)
-    assert len(decisions) == 6 and report.fallbacks == []
-    assert all(d.decision == KEPT and "not provably divisible by block_size=32" in d.reason for d in decisions)
-    torch.testing.assert_close(out, causal_sdpa(q, k, v))
+    assert len(decisions) == 12 and report.fallbacks == []
+    assert all(d.decision == CONVERTED for d in decisions), decisions
+    symbolic = decisions[6:]
+    assert all("zero-padded at run time" in d.reason for d in symbolic), symbolic
+    torch._dynamo.reset()
 
 
 def test_head_dim_not_divisible_by_block_size_is_kept():

@@ -54,14 +54,27 @@ def test_rewritten_graphs_contain_mx_ops_and_no_converted_aten_gemm():
     assert graphs["backward"].after.count("mxcompile.mx_mm") == 2
 
 
-@pytest.mark.parametrize("k", [48, 31])
-def test_contraction_not_divisible_by_block_stays_high_precision(k):
+@pytest.mark.parametrize("k, padded", [(48, 64), (31, 32), (17, 32)])
+def test_contraction_not_divisible_by_block_is_zero_padded(k, padded):
+    layer = nn.Linear(k, 64, bias=False)
+    report = mxcompile.explain(layer, torch.randn(64, k, requires_grad=True))
+    kinds = _by_kind(report)
+    assert kinds["output"].decision == CONVERTED
+    assert f"K={k} zero-padded to {padded}" in kinds["output"].reason
+    # dX contracts over N=64 and dW over M=64: no padding.
+    assert kinds["input_grad"].decision == CONVERTED and "K=64)" in kinds["input_grad"].reason
+    assert kinds["weight_grad"].decision == CONVERTED and "K=64)" in kinds["weight_grad"].reason
+    forward = next(g.after for g in report.graphs if g.name == "forward")
+    assert forward.count("aten.constant_pad_nd") == 2  # both operands of Y = X Wt
+
+
+@pytest.mark.parametrize("k", [16, 4])
+def test_contraction_whose_padding_would_double_the_work_stays_high_precision(k):
     layer = nn.Linear(k, 64, bias=False)
     report = mxcompile.explain(layer, torch.randn(64, k, requires_grad=True))
     kinds = _by_kind(report)
     assert kinds["output"].decision == KEPT
-    assert f"contraction length {k} is not divisible by block_size=32" in kinds["output"].reason
-    # dX contracts over N=64 and dW over M=64: both convertible.
+    assert f"contraction length {k} pads to 32 (block_size=32)" in kinds["output"].reason
     assert kinds["input_grad"].decision == CONVERTED
     assert kinds["weight_grad"].decision == CONVERTED
 
