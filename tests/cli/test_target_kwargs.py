@@ -6,7 +6,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from mxcompile.cli.errors import CLIError
 from mxcompile.cli.targets import load_target
