@@ -81,12 +81,13 @@ def bf16_autocast(enabled: bool) -> Iterator[None]:
         yield
 
 
-def explain_target(model: torch.nn.Module, inputs: tuple[Any, ...], config: MXConfig, *, bf16: bool) -> Report:
+def explain_target(model: torch.nn.Module, inputs: tuple[Any, ...], config: MXConfig, *, bf16: bool,
+                   kwargs: dict[str, Any] | None = None) -> Report:
     """mxcompile.explain, with a failure reported as one line: exit code 2 when mxcompile
     rejects a setting (ValueError), 1 otherwise."""
     try:
         with bf16_autocast(bf16):
-            return explain(model, *inputs, config=config)
+            return explain(model, *inputs, config=config, **(kwargs or {}))
     except Exception as err:
         cause = root_cause(err)
         raise CLIError(

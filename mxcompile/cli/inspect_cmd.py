@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, parent: argparse.Argument
 def run(args: argparse.Namespace, console: Console) -> int:
     config = config_from_overrides(args.config)
     target = load_target(args.target)
-    report = explain_target(target.model, target.inputs, config, bf16=args.bf16)
+    report = explain_target(target.model, target.inputs, config, bf16=args.bf16, kwargs=target.kwargs)
     if args.json:
         sys.stdout.write(report.to_json() + "\n")
         return 0

@@ -215,6 +215,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     plots.require_plotting()
     config = config_from_overrides(args.config)
     target = load_target(args.target)
+    if target.kwargs:
+        # The step harness and the per-layer error capture call model(*inputs) only.
+        raise CLIError(f"profile takes positional example inputs only, and {target.spec} returned keyword "
+                       f"inputs {sorted(target.kwargs)}; return them positionally, or use `mxcompile inspect`")
     out = _prepare_out(args.out)
     autocast = not args.fp32
     console.print(Text(f"mxcompile profile {target.spec}: {args.steps} timed steps per backend, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -61,3 +62,18 @@ def test_two_tuple_factories_have_no_keyword_inputs(kwargs_target: Path) -> None
 def test_keyword_inputs_that_are_not_a_dict_are_rejected(kwargs_target: Path) -> None:
     with pytest.raises(CLIError, match="list as keyword inputs"):
         load_target(f"{kwargs_target}:bad_kwargs")
+
+
+def test_inspect_passes_keyword_inputs_to_the_model(kwargs_target: Path, cli) -> None:
+    result = cli("inspect", f"{kwargs_target}:with_kwargs", "--json", "--graph", "none")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    decisions = [d for d in doc["decisions"] if d["module"] == "proj"]
+    assert decisions and all(d["decision"] == "mxfp8" for d in decisions), decisions
+
+
+def test_profile_refuses_keyword_inputs_in_one_line(kwargs_target: Path, cli, tmp_path: Path) -> None:
+    result = cli("profile", f"{kwargs_target}:with_kwargs", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "keyword inputs ['mask']" in lines[0], result.stderr

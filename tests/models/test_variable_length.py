@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mxcompile
-from zoo import LR, ZOO, assert_converted, params_marking, recording_eager_backend
+from hf_zoo import LR, ZOO, assert_converted, params_marking, recording_eager_backend
 
 LENGTHS = (64, 96, 128)  # all multiples of the block size: only the symbolic length is new
 
