@@ -5,6 +5,7 @@
     attention  mxcompile::attention, mxcompile::attention_backward
                (reference: attention_reference; eligibility: attention_checks)
     offload    mxcompile::offload, mxcompile::reload
+    grouped_mm mxcompile::grouped_mm (MoE experts in dtypes aten._grouped_mm rejects)
 
 Each module holds the op's schema, its torch reference (built on `mxcompile.numerics`), its
 fake, its autograd where it has one, and its CUDA kernel, registered with
@@ -17,7 +18,7 @@ lowering keeps opaque because their CUDA kernel is a Triton one.
 
 from __future__ import annotations
 
-from . import attention, offload
+from . import attention, grouped_mm, offload
 from .mx_mm import MX_MM, gemm_operand_dtype
 from .mx_mm import DECOMPOSITIONS as _MX_MM_DECOMPOSITIONS
 from .quantize import (
@@ -40,6 +41,7 @@ __all__ = [
     "QUANTIZE_SLICE_ELEMENTS",
     "attention",
     "gemm_operand_dtype",
+    "grouped_mm",
     "offload",
     "quantize_scratch_bytes",
 ]

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from ..config import MXConfig
 from ..distributed.shard_check import sharded_contraction_reason
+from ..ops.grouped_mm import GROUPED_MM as ANY_DTYPE_GROUPED_MM
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
     NodeBuilder,
@@ -32,7 +33,7 @@ from .graph_facts import (
     shape_hint,
     tangent_placeholders,
 )
-from .meta_keys import CLAIMED_KEY
+from .meta_keys import CLAIMED_KEY, GROUPED_ORIGIN_KEY
 from .grouped_gemm import CONTRACTION, GROUPED_MM, ROWS, describe, emit_grouped_gemm, grouped_flops, grouped_gemm
 from .mx_gemm import (
     ContractionPadding,
@@ -159,30 +160,46 @@ def _rewrite(
     return build
 
 
-# transformers' MoE fallback ops (fp32 experts under torch.compile): custom ops with GEMMs inside.
-_OPAQUE_GROUPED = {
-    "transformers.grouped_mm_fallback.default": 1,  # Y = grouped(X, W): one GEMM
-    "transformers.grouped_mm_fallback_backward.default": 2,  # dX and dW
-}
-_OPAQUE_REASON = ("transformers' grouped_mm fallback op (its experts_implementation='grouped_mm' "
-                  "for non-bf16 weights under torch.compile) is opaque to the rewrite; bf16 experts "
-                  "use aten._grouped_mm, which is converted")
+# transformers' MoE fallback ops (fp32 experts under torch.compile, transformers/integrations/moe.py):
+# custom ops whose loops compute exactly aten._grouped_mm with int32 cumulative offsets, the op
+# transformers itself calls for bf16 experts. They are rewritten into mxcompile::grouped_mm nodes
+# of the same semantics in any dtype (the forward: one rows-form GEMM; the backward: dX in rows
+# form, dW in contraction form), which the grouped-GEMM conversion below then decides on like
+# aten._grouped_mm.
+_FALLBACK_GROUPED = "transformers.grouped_mm_fallback.default"
+_FALLBACK_GROUPED_BACKWARD = "transformers.grouped_mm_fallback_backward.default"
+
+
+def _lower_fallback_grouped(gm: fx.GraphModule) -> int:
+    """Replace transformers' fallback grouped-GEMM ops by the mxcompile::grouped_mm nodes they compute,
+    each tagged (GROUPED_ORIGIN_KEY) with the op it came from; returns how many ops were replaced."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        target = str(node.target) if node.op == "call_function" else ""
+        if target not in (_FALLBACK_GROUPED, _FALLBACK_GROUPED_BACKWARD):
+            continue
+        build = NodeBuilder(gm, node)
+        if target == _FALLBACK_GROUPED:
+            x, weight, offsets = node.args
+            results = [build.call(ANY_DTYPE_GROUPED_MM, x, weight, offsets)]
+            node.replace_all_uses_with(results[0])
+        else:
+            x, weight, offsets, grad_out = node.args
+            grad_x = build.call(ANY_DTYPE_GROUPED_MM, grad_out, build.call(aten.transpose.int, weight, -2, -1), offsets)
+            grad_weight = build.call(ANY_DTYPE_GROUPED_MM, build.call(aten.t.default, x), grad_out, offsets)
+            results = [grad_x, grad_weight]
+            for user in list(node.users):
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+        for result in results:
+            result.meta[GROUPED_ORIGIN_KEY] = target
+        gm.graph.erase_node(node)
+        count += 1
+    return count
 
 
 def _graph_label(node: fx.Node, graph_name: str) -> str:
     return "backward" if is_backward(node) else ("inference" if graph_name == "inference" else "forward")
-
-
-def _opaque_grouped_decision(node: fx.Node, graph_name: str) -> GemmDecision:
-    """A kept row for a transformers fallback grouped GEMM, so that its FLOPs are counted."""
-    x, w = fake_value(node.args[0]), fake_value(node.args[1])  # input, weight come first in both
-    s, k = shape_hint(x)
-    n = shape_hint(w)[-1]
-    gemms = _OPAQUE_GROUPED[str(node.target)]
-    return GemmDecision(
-        graph=_graph_label(node, graph_name), node=node.name, op=str(node.target),
-        kind="output" if gemms == 1 else "input_grad", shapes=(shape_hint(x), shape_hint(w)),
-        flops=gemms * 2 * s * k * n, module=module_name(node), decision=KEPT, reason=_OPAQUE_REASON)
 
 
 def _grouped_decision(
@@ -199,6 +216,8 @@ def _grouped_decision(
         return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=gemm, **row), 0
     kind = "weight_grad" if gemm.form == CONTRACTION else kind
     row["op"] += f" [{gemm.groups} groups]"
+    if GROUPED_ORIGIN_KEY in node.meta:
+        row["op"] += f" (from {node.meta[GROUPED_ORIGIN_KEY]})"
     flops = grouped_flops(gemm)
     elems = tuple(config.grad_elem if n in gradients else config.forward_elem for n in (gemm.lhs, gemm.rhs))
     length = lhs.shape[gemm.axes[0]]
@@ -219,6 +238,7 @@ def _grouped_decision(
 
 def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:
     """Rewrite the GEMMs of one graph in place; return the decisions and node counts."""
+    _lower_fallback_grouped(gm)
     weight_grads = _weight_grad_outputs(gm)
     gradients = nodes_depending_on(tangent_placeholders(gm))
     decisions: list[GemmDecision] = []
@@ -226,10 +246,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or CLAIMED_KEY in node.meta:  # attention_rewrite decided
             continue
-        if str(node.target) in _OPAQUE_GROUPED:
-            decisions.append(_opaque_grouped_decision(node, graph_name))
-            continue
-        if node.target is GROUPED_MM:
+        if node.target in (GROUPED_MM, ANY_DTYPE_GROUPED_MM):
             decision, count = _grouped_decision(gm, node, _gemm_kind(node, weight_grads), gradients,
                                                 graph_name, config)
             decisions.append(decision)

@@ -1,6 +1,8 @@
 """Grouped GEMMs (`aten._grouped_mm` with offsets): the MoE expert computation that
 transformers 5 emits (`experts_implementation="grouped_mm"`, its default) for Mixtral and
-Qwen-MoE style models in bf16. Not a pass: gemm_rewrite calls it for grouped nodes.
+Qwen-MoE style models in bf16; in other dtypes gemm_rewrite turns transformers' fallback op into
+`mxcompile::grouped_mm` of the same semantics, handled here alike. Not a pass: gemm_rewrite calls
+it for grouped nodes.
 
 Two forms appear in a training graph, both with `offs` (E,) int32, the cumulative token count
 per expert (data-dependent):
@@ -173,7 +175,7 @@ def emit_grouped_gemm(
     out_dtype = node.args[4] if len(node.args) > 4 else node.kwargs.get("out_dtype")
     if out_dtype is not None:
         extra["out_dtype"] = out_dtype
-    result = build.call(GROUPED_MM, *operands, offsets, **extra)
+    result = build.call(node.target, *operands, offsets, **extra)
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
     return build

@@ -5,3 +5,6 @@ GRAPH_INFO_KEY = "mxcompile_graph_info"  # gm.meta: the backend's GraphInfo (pas
 PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
 # node.meta key on GEMMs attention_rewrite decided on (value: their role); gemm_rewrite skips them.
 CLAIMED_KEY = "mxcompile_attention"
+# node.meta key on aten._grouped_mm nodes gemm_rewrite made from transformers' fallback grouped-GEMM
+# ops (value: the op's name), so that the decision row names where the GEMM came from.
+GROUPED_ORIGIN_KEY = "mxcompile_grouped_origin"

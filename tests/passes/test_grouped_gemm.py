@@ -90,11 +90,37 @@ def test_tiny_mixtral_trained_at_three_lengths_converts_its_experts():
         (d.op, d.reason) for d in report.decisions if d.decision == KEPT]
 
 
-def test_fp32_mixtral_fallback_experts_are_reported_as_kept():
-    """For fp32 weights transformers calls its own opaque fallback op: its GEMMs are counted
-    and kept with the reason, never silently left out of the report."""
+def test_fp32_mixtral_fallback_experts_are_converted():
+    """For fp32 weights transformers calls its own fallback op (a loop of torch.mm per expert):
+    gemm_rewrite turns it into the aten._grouped_mm nodes it computes, so all three GEMMs of
+    both expert projections are MX, each row naming the op it came from."""
     model = _tiny_mixtral(torch.float32)
     report = mxcompile.explain(model, torch.randint(0, 128, (2, 64)))
-    opaque = [d for d in report.decisions if "grouped_mm_fallback" in d.op]
-    assert len(opaque) == 4 and all(d.decision == KEPT and "bf16" in d.reason for d in opaque)
-    assert report.converted_flop_fraction < 0.95
+    grouped = [d for d in report.decisions if "grouped_mm_fallback" in d.op]
+    assert len(grouped) == 6, grouped  # (gate_up, down) x (forward, input grad, weight grad)
+    assert all(d.decision == CONVERTED and "[4 groups]" in d.op for d in grouped), grouped
+    assert {d.kind for d in grouped} == {"output", "input_grad", "weight_grad"}
+    assert report.converted_flop_fraction >= 0.95, [(d.op, d.reason) for d in report.decisions
+                                                    if d.decision == KEPT]
+
+
+def test_fp32_fallback_as_grouped_mm_computes_what_transformers_computes():
+    """With every GEMM kept (exclude everything), the rewritten fallback ops run as
+    aten._grouped_mm in fp32: loss and every gradient equal the eager model's."""
+    from mxcompile.config import MXConfig
+
+    model = _tiny_mixtral(torch.float32)
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    reference = _tiny_mixtral(torch.float32)
+    reference.load_state_dict(model.state_dict())
+    model.eval(), reference.eval()  # no dropout draws to compare
+    report = Report({})
+    compiled = torch.compile(model, backend=eager_mxfp8_backend(MXConfig(exclude=(".*",)), report=report))
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert any("grouped_mm_fallback" in d.op and d.decision == KEPT for d in report.decisions)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
