@@ -216,7 +216,7 @@ def report_of(model: torch.nn.Module) -> list[Report]:
 
 
 def clear_reports() -> None:
-    """Forget the retained reports."""
+    """Forget the retained reports; the log's graph numbers start again at 0."""
     _HISTORY.clear()
 
 

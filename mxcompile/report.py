@@ -183,5 +183,7 @@ class ReportHistory:
                 if any((t := ref()) is not None and id(t) in owned for ref in refs)]
 
     def clear(self) -> None:
+        """Forget every report; the numbering of the next ones starts again at 0."""
         self._entries.clear()
+        self._recorded = 0
 

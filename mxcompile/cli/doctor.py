@@ -55,6 +55,7 @@ ADA_CAPABILITY = (8, 9)
 # The representative attention call asked about: one causal head, bf16, 128 tokens, head_dim 64.
 ATTENTION_SHAPE = (1, 1, 128, 64)
 ATTENTION_DTYPE = torch.bfloat16
+GEMM_SHAPE = (128, 128)  # a 2-D operand of the size the kernels tile
 
 
 @dataclass(frozen=True)
@@ -168,26 +169,34 @@ def _kernel_check(name: str, triton_path: str, reason: str | None, fix: str = KE
     return Check(name, False, f"PyTorch implementation: {reason}", fix, required=False)
 
 
+def _has_triton_kernels(device: torch.device) -> bool:
+    """Whether the mxcompile ops dispatch to their Triton kernels for tensors on `device`: their
+    kernels are registered for CUDA only (`register_kernel("cuda")` in mxcompile/ops/)."""
+    return device.type == "cuda"
+
+
 def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     """The path of MX quantize, MX GEMM and attention forward/backward for tensors on `device`,
-    as the library decides it (never re-decided here)."""
-    from ..api import _use_triton
-    from ..attention import triton_attention_unsupported
-    from ..triton_templates import resolve_gemm_path, triton_available
+    as the ops' own eligibility functions decide it (never re-decided here)."""
+    from ..ops.attention_checks import triton_attention_unsupported
+    from ..ops.mx_mm import triton_mx_mm_unsupported
+    from ..ops.quantize import triton_quantize_unsupported
+    from ..triton_templates import resolve_gemm_path
 
-    if not _use_triton("auto", device):
+    if not _has_triton_kernels(device):
         reason = f"tensors on {device.type}: the Triton kernels run for CUDA tensors only"
         return [_kernel_check(name, "", reason, NO_CUDA_KERNEL_HINT) for name in
                 ("MX quantize", "MX GEMM", "attention forward", "attention backward")]
-    ok, why = triton_available(device, elem=config.forward_elem, block_size=config.block_size)
-    checks = [_kernel_check("MX quantize", f"Triton quantize kernel ({why})", None if ok else why)]
-    ok, why = triton_available(device, block_size=config.block_size)
-    gemm = ("Triton MX GEMM with tl.dot_scaled" if ok and resolve_gemm_path("auto", device, config.block_size)
+    x = torch.empty(GEMM_SHAPE, dtype=ATTENTION_DTYPE, device=device)
+    why = triton_quantize_unsupported(x, config.forward_elem, config.block_size)
+    checks = [_kernel_check("MX quantize", "Triton quantize kernel", why)]
+    why = triton_mx_mm_unsupported(x, x, config.block_size)
+    gemm = ("Triton MX GEMM with tl.dot_scaled" if why is None and resolve_gemm_path("auto", device, config.block_size)
             else "Triton MX GEMM, FP8 tl.dot per scale block (the path below sm100)")
-    checks.append(_kernel_check("MX GEMM", f"{gemm} ({why})", None if ok else why))
+    checks.append(_kernel_check("MX GEMM", gemm, why))
     q, k, v, grad_out, out = (torch.empty(ATTENTION_SHAPE, dtype=ATTENTION_DTYPE, device=device) for _ in range(5))
     lse = torch.empty(ATTENTION_SHAPE[:-1], dtype=torch.float32, device=device)
-    common = (q, k, v, None, True, config.attention, config.forward_elem, config.scale_mode, config.block_size)
+    common = (q, k, v, None, True, config.attention, config.forward_elem, config.block_size)
     call = f"causal {ATTENTION_DTYPE}, (batch, heads, seq, head_dim) = {ATTENTION_SHAPE}"
     checks.append(_kernel_check("attention forward", f"Triton forward kernel ({call})",
                                 triton_attention_unsupported(*common)))
