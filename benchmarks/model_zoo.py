@@ -64,6 +64,9 @@ def main() -> None:
     print("| architecture | training FLOPs converted | eval FLOPs converted | GEMMs converted (training) | largest kept GEMM's reason |")
     print("| --- | --- | --- | --- | --- |")
     for name in names:
+        # One process, many models: without a reset, the shared transformers wrappers' code
+        # objects reach dynamo's recompile limit and later models run uncompiled.
+        torch._dynamo.reset()
         mxcompile.clear_reports()
         train, evaluation, converted, gemms, top = shares(name)
         print(f"| {name} | {train:.1%} | {evaluation:.1%} | {converted} of {gemms} | {top} |", flush=True)

@@ -42,6 +42,12 @@ def _emulated_two_linear(model: TwoLinear, x: torch.Tensor) -> torch.Tensor:
     return MXLinearFunction.apply(h, model.fc2.weight, model.fc2.bias)
 
 
+# The compiled MX graph against the independent emulation: equal but for rare FP8 rounding flips
+# (seen: 123 dB at batch 96, 11 of 9216 outputs off; inf at the others). MX against unquantized
+# fp32 is 25-30 dB here, so 60 dB still tells the MX numerics apart from anything else.
+EMULATION_AGREEMENT_DB = 60.0
+
+
 def _run(model, x, params=None):
     """Output, input gradient and parameter gradients of one forward+backward."""
     params = list(params if params is not None else model.parameters())
@@ -111,15 +117,25 @@ def test_rewrite_is_real_not_a_passthrough(two_linear):
 
 
 def test_dynamic_batch_gives_correct_results_without_recompiling(two_linear):
+    """One graph with a symbolic batch serves every batch, computing what a graph compiled for
+    that batch computes; and it is the MX emulation up to FP8 rounding flips (a last-bit
+    difference of fp32 accumulation order can move a value across an FP8 rounding boundary, so
+    the emulation is compared by SQNR, not elementwise)."""
+    import torch._dynamo.testing
+
     counter = torch._dynamo.testing.CompileCounterWithBackend(eager_mxfp8_backend())
     compiled = torch.compile(two_linear, backend=counter, dynamic=True)
     for batch in (96, 160, 224):  # not 64: duck sizing would tie the batch to in_features
         x = _octave_data((batch, 64), seed=batch)
-        y_c, dx_c, _ = _run(compiled, x)
+        y_c, dx_c, grads_c = _run(compiled, x)
+        static = torch.compile(two_linear, backend=eager_mxfp8_backend(), dynamic=False)
+        y_s, dx_s, grads_s = _run(static, x)
+        torch.testing.assert_close(y_c, y_s, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx_s, rtol=0, atol=0)
+        for got, want in zip(grads_c, grads_s):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
         y_e, dx_e, _ = _run(lambda t: _emulated_two_linear(two_linear, t), x, two_linear.parameters())
-        # fp32 accumulation order differs between GEMM shapes: tolerance relative to the max.
-        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6 * y_e.abs().max().item())
-        torch.testing.assert_close(dx_c, dx_e, rtol=1e-5, atol=1e-6 * dx_e.abs().max().item())
+        assert min(sqnr_db(y_e, y_c), sqnr_db(dx_e, dx_c)) >= EMULATION_AGREEMENT_DB, (sqnr_db(y_e, y_c), sqnr_db(dx_e, dx_c))
     assert counter.frame_count == 1
 
 
