@@ -39,6 +39,13 @@ def test_time_step_rejects_bad_counts() -> None:
         time_step(lambda: None, time_steps=0)
 
 
-def test_machine_load_counts_cpus() -> None:
-    _, cpus = machine_load()
-    assert cpus is not None and cpus >= 1
+def test_machine_load_reads_the_load_and_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (1.5, 1.0, 0.5))
+    monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {0, 1, 5})
+    assert machine_load() == (1.5, 3)  # the 1-minute load; the CPUs this process may use
+
+    def unavailable() -> tuple[float, float, float]:
+        raise OSError("no load average")
+
+    monkeypatch.setattr(timing.os, "getloadavg", unavailable)
+    assert machine_load() == (None, 3)
