@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import pytest
 
+from mxcompile.measure import timing
 from mxcompile.measure.timing import machine_load, time_step
 
 
-def test_time_step_counts_and_medians() -> None:
-    calls = []
-    timing = time_step(lambda: calls.append(1), warmup_steps=2, time_steps=3)
-    assert len(calls) == 5
-    assert len(timing["times_s"]) == 3 and timing["median_s"] >= 0 and timing["first_s"] >= 0
-    assert timing["warmup_s"] >= timing["first_s"]
+def test_time_step_counts_and_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A clock that only moves inside the step, by a known amount per call: the first (compile)
+    # step, one more warm-up step, then three timed ones whose median is not their mean.
+    durations = iter([5.0, 0.5, 0.3, 0.1, 0.8])
+    clock = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def step() -> None:
+        clock[0] += next(durations)
+
+    result = time_step(step, warmup_steps=2, time_steps=3)
+    assert result["first_s"] == pytest.approx(5.0)
+    assert result["warmup_s"] == pytest.approx(5.5)
+    assert result["times_s"] == pytest.approx([0.3, 0.1, 0.8])
+    assert result["median_s"] == pytest.approx(0.3)
+    assert next(durations, None) is None  # exactly five steps ran
 
 
 def test_time_step_reports_every_step() -> None:
@@ -28,6 +39,13 @@ def test_time_step_rejects_bad_counts() -> None:
         time_step(lambda: None, time_steps=0)
 
 
-def test_machine_load_counts_cpus() -> None:
-    _, cpus = machine_load()
-    assert cpus is not None and cpus >= 1
+def test_machine_load_reads_the_load_and_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (1.5, 1.0, 0.5))
+    monkeypatch.setattr(timing.os, "sched_getaffinity", lambda pid: {0, 1, 5})
+    assert machine_load() == (1.5, 3)  # the 1-minute load; the CPUs this process may use
+
+    def unavailable() -> tuple[float, float, float]:
+        raise OSError("no load average")
+
+    monkeypatch.setattr(timing.os, "getloadavg", unavailable)
+    assert machine_load() == (None, 3)
