@@ -104,12 +104,12 @@ def test_kernel_paths_report_the_library_decisions(monkeypatch: pytest.MonkeyPat
     """Past the CUDA gate, the lines are the library's answers: under the Triton interpreter
     every kernel can run (GEMM through tl.dot_scaled); a block size the kernels do not take
     gives each kernel's own reason."""
-    from triton import knobs
-
     cpu = torch.device("cpu")
     assert [c.passed for c in doctor.kernel_checks(cpu, MXConfig())] == [False] * 4  # no CUDA: torch
     monkeypatch.setattr(doctor, "_has_triton_kernels", lambda device: True)
-    monkeypatch.setattr(knobs.runtime, "interpret", True)
+    # The environment variable, not a knob override: monkeypatch would restore the knob as an
+    # explicit False, and Triton would then ignore TRITON_INTERPRET for the rest of the session.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     checks = doctor.kernel_checks(cpu, MXConfig())
     assert [c.passed for c in checks] == [True] * 4, checks
     assert "tl.dot_scaled" in checks[1].detail
