@@ -136,7 +136,7 @@ def _planner_timers() -> Iterator[dict[str, float]]:
 
     spent = {"solve": 0.0, "plan_and_partition": 0.0}
     targets = [(plan_module, "plan_activation_memory", "solve"), (plan_module, "budget_curve", "solve"),
-               (backend_module, "plan_and_partition", "plan_and_partition")]
+               (backend_module, "run_partition_stage", "plan_and_partition")]
     originals = []
     for module, name, key in targets:
         function = getattr(module, name, None)
@@ -165,7 +165,7 @@ def plan_for(model: str, fraction: float, batch_size: int) -> Planned:
     import torch
 
     import mxcompile
-    from mxcompile.config import MXConfig
+    from mxcompile.config import MemoryBudget, MXConfig
     from mxcompile.measure.steps import build_model
 
     try:
@@ -174,7 +174,7 @@ def plan_for(model: str, fraction: float, batch_size: int) -> Planned:
         started = time.perf_counter()
         with _planner_timers() as spent, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an over-budget warning shows in the table instead
-            report = mxcompile.explain(module, *args, config=MXConfig(memory_budget=fraction))
+            report = mxcompile.explain(module, *args, config=MXConfig(memory_budget=MemoryBudget.of_fraction(fraction)))
         explain_s = time.perf_counter() - started
         torch._dynamo.reset()
     except Exception as err:  # noqa: BLE001  (a failing cell is reported in the table, not fatal)

@@ -8,13 +8,16 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 
 from ._version import __version__
 from .backend import MXKeptWarning, clear_reports, compile, report_of, reports
-from .config import MXConfig
+from .config import AttentionMode, FsdpAllGather, MemoryBudget, MXConfig
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
 from .numerics import MXTensor
 from .report import Report
 
 __all__ = [
+    "AttentionMode",
+    "FsdpAllGather",
+    "MemoryBudget",
     "MXConfig",
     "MXKeptWarning",
     "MXTensor",

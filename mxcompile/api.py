@@ -21,7 +21,7 @@ from .numerics import DEFAULT_BLOCK_SIZE, MXTensor, e8m0_from_bytes, elem_format
 from .numerics import dequantize_mx as _dequantize_mx_reference
 from .numerics import mx_matmul as _mx_matmul_reference
 from .numerics import quantize_mx as _quantize_mx_reference
-from .numerics import scale_mode as _scale_mode
+from .numerics import scale_mode_named
 from .numerics.quantize import check_dequantizable, check_mx_matmul_operands, check_quantizable
 from .ops.mx_mm import MX_MM
 from .ops.quantize import DEQUANTIZE, QUANTIZE
@@ -56,7 +56,7 @@ def quantize_mx(
     _check_kernel(kernel)
     if kernel == "torch":
         return _quantize_mx_reference(x, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
-    fmt, mode = elem_format(elem), _scale_mode(scale_mode)
+    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
     if kernel == "triton":
         from .triton_templates import quantize_mx_triton

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .numerics import DEFAULT_BLOCK_SIZE, check_block_size, elem_format
-from .numerics import scale_mode as scale_mode_named
+from .numerics import scale_mode_named
 from .ops.attention import ATTENTION, attention_grads, save_attention_context
 from .ops.attention_checks import check_attention_inputs
 from .ops.attention_reference import AttentionOptions, check_attention_mode, default_key_tile

@@ -3,7 +3,8 @@
     dynamo FX graph
       -> AOTAutograd: joint forward+backward graph (or an inference graph without autograd)
       -> passes.run_pipeline: the ordered, named passes rewrite it and record their decisions
-      -> min-cut partition into forward and backward (it sees MX copies as cheaper to save)
+      -> passes.run_partition_stage: min-cut partition into forward and backward (it sees MX copies
+         as cheaper to save), with the memory plan when config.memory_budget is set
       -> lowering: Inductor's inner compiler (CPU), with the mxcompile ops decomposed
 
 `explain` runs the same pipeline and stops before lowering.
@@ -33,9 +34,8 @@ from .coverage import warn_uncompiled
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
-from .passes import PassError, run_pipeline
+from .passes import PassError, run_partition_stage, run_pipeline
 from .passes.graph_facts import GraphInfo, concrete_int
-from .passes.memory_plan import plan_and_partition
 from .passes.meta_keys import GRAPH_INFO_KEY
 from .report import GraphSnapshot, Report, ReportHistory
 
@@ -147,7 +147,7 @@ def compile_graph(
             fw_before, bw_before = min_cut_rematerialization_partition(
                 clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         rewrite(joint, "joint")
-        fw, bw = plan_and_partition(  # plain min-cut unless config.memory_budget is set
+        fw, bw = run_partition_stage(  # plain min-cut unless config.memory_budget is set
             joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
             num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
         if describe:

@@ -5,50 +5,46 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .numerics import DEFAULT_BLOCK_SIZE, ELEM_FORMATS, ScaleMode, check_block_size
-
-_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_BYTES_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
-_FSDP_ALL_GATHER_MODES = ("bf16", "mxfp8")
-_ATTENTION_MODES = ("off", "qk_only", "both")
+from .numerics import DEFAULT_BLOCK_SIZE, ElemFormatName, ScaleMode, check_block_size
+from .numerics.formats import NamedEnum
+from .planner.budget import MemoryBudget
 
 
-def parse_memory_budget(value: Any) -> int | float | None:
-    """A budget in bytes (int, or a string such as "6GiB") or a fraction in (0, 1] of the
-    activation memory with everything kept (float). None means no budget."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"memory_budget={value!r}: give bytes (int or '6GiB') or a fraction in (0, 1]")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"memory_budget={value!r}: a byte budget must be positive")
-        return value
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(
-                f"memory_budget={value!r}: a fractional budget must lie in (0, 1]; "
-                "give bytes as an int or a string such as '6GiB'"
-            )
-        return value
-    if isinstance(value, str):
-        match = _BYTES_PATTERN.match(value)
-        unit = match.group(2).upper() if match else ""
-        if match and (unit or "B") in _BYTE_UNITS:
-            return int(float(match.group(1)) * _BYTE_UNITS[unit or "B"])
-    raise ValueError(
-        f"memory_budget={value!r} is not understood; accepted: bytes as an int, a string with a "
-        f"unit in {sorted(_BYTE_UNITS)} (e.g. '6GiB'), or a fraction in (0, 1]"
-    )
+class AttentionMode(NamedEnum):
+    """Which attention GEMMs go to MXFP8: all six, only S = Q·Kᵀ and its backward, or none."""
+
+    BOTH = "both"
+    QK_ONLY = "qk_only"
+    OFF = "off"
 
 
-def _check_choice(name: str, value: Any, accepted: tuple[str, ...] | list[str]) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not accepted; accepted: {list(accepted)}")
+class FsdpAllGather(NamedEnum):
+    """The dtype FSDP2 weight shards travel in: high precision, or MXFP8 quantized before the all-gather."""
+
+    BF16 = "bf16"
+    MXFP8 = "mxfp8"
+
+
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "forward_elem": ElemFormatName,
+    "grad_elem": ElemFormatName,
+    "scale_mode": ScaleMode,
+    "attention": AttentionMode,
+    "fsdp_all_gather": FsdpAllGather,
+}
+
+
+def _enum_choice(name: str, value: Any, kind: type[enum.Enum]) -> enum.Enum:
+    """`value` (a member of `kind` or its string) as the member; an error naming the field otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not accepted; accepted: {[m.value for m in kind]}") from None
 
 
 @dataclass(frozen=True)
@@ -58,9 +54,9 @@ class MXConfig:
     contraction axis."""
 
     # Numerics: element format per role.
-    forward_elem: str = "e4m3"  # activations and weights in the output GEMM Y = X Wt
-    grad_elem: str = "e4m3"  # gradients dY in the dX and dW GEMMs
-    scale_mode: str = "rceil"
+    forward_elem: ElemFormatName = ElemFormatName.E4M3  # activations and weights in the output GEMM Y = X Wt
+    grad_elem: ElemFormatName = ElemFormatName.E4M3  # gradients dY in the dX and dW GEMMs
+    scale_mode: ScaleMode = ScaleMode.RCEIL
     block_size: int = DEFAULT_BLOCK_SIZE
     hp_weight_grad: bool = False  # keep dW = dYt X in high precision
 
@@ -68,25 +64,25 @@ class MXConfig:
     include: tuple[str, ...] = ()  # regexes on module names; empty means all modules
     exclude: tuple[str, ...] = ()  # regexes on module names; wins over include
     min_gemm_flops: int = 0  # GEMMs with fewer FLOPs (2*M*N*K) stay in high precision
-    attention: str = "both"  # "both", "qk_only" or "off"
+    attention: AttentionMode = AttentionMode.BOTH
 
     # Memory planner.
-    memory_budget: int | float | None = None  # bytes, or a fraction of keep-everything memory
+    # Bytes or a fraction of the activation headroom; options also take '6GiB', '50%' or a float
+    # fraction (a bare int is rejected: see `MemoryBudget.parse`). None: no plan.
+    memory_budget: MemoryBudget | None = None
     offload: bool = False
 
     # Distributed.
-    fsdp_all_gather: str = "bf16"  # "mxfp8" quantizes FSDP2 weight shards before all-gather
+    fsdp_all_gather: FsdpAllGather = FsdpAllGather.BF16  # MXFP8 quantizes FSDP2 weight shards before all-gather
 
     # Robustness.
     fallback: bool = True  # a failure inside a pass warns and runs the unrewritten graph
 
     def __post_init__(self) -> None:
-        _check_choice("forward_elem", self.forward_elem, sorted(ELEM_FORMATS))
-        _check_choice("grad_elem", self.grad_elem, sorted(ELEM_FORMATS))
-        _check_choice("scale_mode", self.scale_mode, [m.value for m in ScaleMode])
+        # Strings (as options give them) become enum members here, once; mxcompile reads members.
+        for name, kind in _ENUM_FIELDS.items():
+            object.__setattr__(self, name, _enum_choice(name, getattr(self, name), kind))
         check_block_size(self.block_size)
-        _check_choice("attention", self.attention, _ATTENTION_MODES)
-        _check_choice("fsdp_all_gather", self.fsdp_all_gather, _FSDP_ALL_GATHER_MODES)
         for name in ("hp_weight_grad", "offload", "fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not accepted; accepted: True or False")
@@ -103,7 +99,8 @@ class MXConfig:
                 except (re.error, TypeError) as err:
                     raise ValueError(f"{name} pattern {pattern!r} is not a valid regular expression: {err}") from None
             object.__setattr__(self, name, patterns)
-        object.__setattr__(self, "memory_budget", parse_memory_budget(self.memory_budget))
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", MemoryBudget.parse(self.memory_budget))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "MXConfig":
@@ -121,7 +118,12 @@ class MXConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-serializable fields: enum members as their string values, the memory budget as
+        `MemoryBudget.to_json` writes it (each reads back through `MXConfig(**d)`)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.memory_budget is not None:
+            values["memory_budget"] = self.memory_budget.to_json()
+        return {name: value.value if isinstance(value, enum.Enum) else value for name, value in values.items()}
 
     def module_selected(self, module_name: str) -> tuple[bool, str]:
         """Whether include/exclude rules admit a module, and why not when they don't."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..config import MXConfig
+from ..config import FsdpAllGather, MXConfig
 from ..coverage import warn_uncompiled
 
 __all__ = ["FullyShardResult", "compile_fsdp2", "find_block_types", "fully_shard"]
@@ -114,7 +114,7 @@ def fully_shard(
         raise ValueError(f"block_types must be nn.Module subclasses, got {types!r}")
     units = _plan_units(model, types)
     all_gather: dict[str, str] = {}
-    if config.fsdp_all_gather == "mxfp8":
+    if config.fsdp_all_gather is FsdpAllGather.MXFP8:
         all_gather = enable_mx_all_gather(model, config, world_size=mesh.size())
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:

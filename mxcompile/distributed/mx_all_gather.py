@@ -45,10 +45,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..config import MXConfig
+from ..config import FsdpAllGather, MXConfig
 from ..numerics import DEFAULT_BLOCK_SIZE, MXTensor, dequantize_along, elem_format, quantize_along
 from ..numerics.formats import SUPPORTED_INPUT_DTYPES
-from ..numerics import scale_mode as _scale_mode
+from ..numerics import scale_mode_named
 
 aten = torch.ops.aten
 
@@ -131,7 +131,7 @@ def all_gather_mx_weight(
     _check_shard(shard, axis, block_size)
     world_size = dist.get_world_size(group)
     data, scale_bytes = quantize_along(
-        shard.detach(), axis, elem_format(elem), _scale_mode(scale_mode), block_size
+        shard.detach(), axis, elem_format(elem), scale_mode_named(scale_mode), block_size
     )
     gathered = []
     for local in (data.contiguous().view(torch.uint8), scale_bytes.contiguous()):
@@ -240,7 +240,7 @@ class MXAllGatherWeight(torch.Tensor):
         spec = self.spec
         data, scale_bytes = quantize_along(
             self._hp.detach().to(param_dtype), axis, elem_format(spec.elem),
-            _scale_mode(spec.scale_mode), spec.block_size,
+            scale_mode_named(spec.scale_mode), spec.block_size,
         )
         return (data.contiguous().view(torch.uint8), scale_bytes.contiguous()), (axis, param_dtype)
 
@@ -294,9 +294,9 @@ def enable_mx_all_gather(
     `modules` restricts the conversion to these linears (default: every nn.Linear).
     """
     config = config if config is not None else MXConfig(fsdp_all_gather="mxfp8")
-    if config.fsdp_all_gather != "mxfp8":
+    if config.fsdp_all_gather is not FsdpAllGather.MXFP8:
         raise ValueError(
-            f"config.fsdp_all_gather={config.fsdp_all_gather!r}; enable_mx_all_gather needs 'mxfp8'"
+            f"config.fsdp_all_gather='{config.fsdp_all_gather}'; enable_mx_all_gather needs 'mxfp8'"
         )
     world_size = world_size if world_size is not None else dist.get_world_size()
     spec = MXAllGatherSpec.from_config(config)

@@ -153,11 +153,11 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = Non
     import torch
 
     from ..backend import compile_graph
-    from ..config import MXConfig
+    from ..config import MemoryBudget, MXConfig
     from ..lowering import eager_compiler
 
     module, args = build_model(model, batch_size)
-    options = {} if memory_budget is None else {"memory_budget": float(memory_budget)}
+    options = {} if memory_budget is None else {"memory_budget": MemoryBudget.of_fraction(memory_budget)}
     if lower == "inductor":
         compiled = torch.compile(module, backend="mxfp8", options=options)
     else:

@@ -8,10 +8,11 @@ from .formats import (
     E8M0_NAN,
     ELEM_FORMATS,
     ElemFormat,
+    ElemFormatName,
     ScaleMode,
     check_block_size,
     elem_format,
-    scale_mode,
+    scale_mode_named,
 )
 from .quantize import (
     MXTensor,
@@ -38,6 +39,7 @@ __all__ = [
     "E8M0_NAN",
     "ELEM_FORMATS",
     "ElemFormat",
+    "ElemFormatName",
     "MXTensor",
     "ScaleMode",
     "bytes_from_e8m0",
@@ -52,6 +54,6 @@ __all__ = [
     "quantize_mx",
     "scale_bytes_from_amax",
     "scale_fp32_from_bytes",
-    "scale_mode",
+    "scale_mode_named",
     "split_blocks",
 ]

@@ -55,7 +55,25 @@ E5M2 = ElemFormat("e5m2", torch.float8_e5m2, 57344.0, 15, 2, 0x7F)
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2)}
 
 
-class ScaleMode(str, enum.Enum):
+class NamedEnum(str, enum.Enum):
+    """A string enum whose str() and format() give its value (as 3.11's StrEnum does), so messages
+    and reports read 'rceil', not 'ScaleMode.RCEIL'."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class ElemFormatName(NamedEnum):
+    """The name of an element format, as `MXConfig` carries it; `elem_format` gives the format."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+
+class ScaleMode(NamedEnum):
     """How the shared E8M0 exponent of a block is derived from the block's amax.
 
     floor: OCP MX v1.0 section 6.3: floor(log2(amax)) - emax_elem. Can saturate.
@@ -85,7 +103,7 @@ def elem_format(name: str | ElemFormat, *, argument: str = "elem") -> ElemFormat
     )
 
 
-def scale_mode(name: str | ScaleMode, *, argument: str = "scale_mode") -> ScaleMode:
+def scale_mode_named(name: str | ScaleMode, *, argument: str = "scale_mode") -> ScaleMode:
     """Look up a scale mode by name, with an error that lists what is accepted."""
     try:
         return ScaleMode(name)

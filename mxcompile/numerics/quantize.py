@@ -16,7 +16,7 @@ from .formats import (
     ScaleMode,
     check_block_size,
     elem_format,
-    scale_mode,
+    scale_mode_named,
 )
 from .scales import (
     bytes_from_e8m0,
@@ -163,7 +163,7 @@ def quantize_mx(
     The input is never modified. See `ScaleMode` for the four scale rules.
     """
     fmt = elem_format(elem)
-    mode = _scale_mode(scale_mode)
+    mode = scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
     data, scale_bytes = quantize_along(x, axis, fmt, mode, block_size)
     return MXTensor(
@@ -176,8 +176,6 @@ def quantize_mx(
         orig_dtype=x.dtype,
     )
 
-
-_scale_mode = scale_mode  # the argument name shadows the lookup inside quantize_mx
 
 
 def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

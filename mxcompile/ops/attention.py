@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..numerics import elem_format, quantize_along
-from ..numerics import scale_mode as scale_mode_named
+from ..numerics import scale_mode_named
 from .attention_checks import triton_attention_unsupported
 from .attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics import dequantize_along, elem_format, quantize_along
-from ..numerics import scale_mode as scale_mode_named
+from ..numerics import scale_mode_named
 
 ATTENTION_MODES = ("both", "qk_only", "off")
 # Gradient element format when the forward op is differentiated through its registered autograd

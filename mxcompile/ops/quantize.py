@@ -31,7 +31,7 @@ from ..numerics import (
     scale_fp32_from_bytes,
     split_blocks,
 )
-from ..numerics import scale_mode as scale_mode_named  # the ops' argument name shadows it
+from ..numerics import scale_mode_named  # the ops' argument name shadows it
 from ..numerics.rounding import fake_quantize_blocks, quantize_blocks
 
 _log = logging.getLogger(__name__)

@@ -1,11 +1,15 @@
 """The ordered pass pipeline. Each pass is one module with a function
 `(gm, config, graph_name) -> PassResult` that changes the graph in place and reports what it
-changed. The order below is the order they run in; nothing else decides it.
+changed. The order below is the order they run in; nothing else decides it:
+
+1. PIPELINE, on the joint (training) or inference graph: attention_rewrite, gemm_rewrite;
+2. PARTITION_STAGE, on a joint graph only: partition into forward and backward, with the
+   memory plan of the saved activations when config.memory_budget is set (memory_plan).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch.fx as fx
 
@@ -13,13 +17,20 @@ from ..config import MXConfig
 from ..report import PassResult
 from .attention_rewrite import rewrite_attention
 from .gemm_rewrite import rewrite_gemms
+from .memory_plan import plan_and_partition
 
 Pass = Callable[[fx.GraphModule, MXConfig, str], PassResult]
+PartitionStage = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("attention_rewrite", rewrite_attention),  # first: claims attention's bmm's before gemm_rewrite
     ("gemm_rewrite", rewrite_gemms),
 )
+
+# After PIPELINE, a joint graph is partitioned by this stage: plain min-cut without a memory
+# budget; with one, min-cut, then the plan, then the graphs rewritten to follow it. Inference
+# graphs have no backward and stop after PIPELINE.
+PARTITION_STAGE: tuple[str, PartitionStage] = ("memory_plan", plan_and_partition)
 
 
 class PassError(RuntimeError):
@@ -34,3 +45,10 @@ def run_pipeline(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> list[
         except Exception as err:  # re-raised with the pass named; the cause is chained
             raise PassError(f"mxcompile pass '{name}' failed on the {graph_name} graph: {err}") from err
     return results
+
+
+def run_partition_stage(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Run PARTITION_STAGE on a rewritten joint graph; returns (forward, backward). Its errors
+    (e.g. a budget no plan can meet) are configuration errors and pass through unwrapped."""
+    _, stage = PARTITION_STAGE
+    return stage(joint, joint_inputs, **kwargs)

@@ -53,8 +53,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.operator_schemas import normalize_function
 
-from ..config import MXConfig
+from ..config import AttentionMode, MXConfig
+from ..numerics import ElemFormatName
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_checks import check_attention_inputs
 from ..ops.attention_reference import default_key_tile
@@ -106,14 +108,14 @@ BACKWARD_ROLES = (DV, DP, DQ, DK)
 QK_FAMILY = frozenset({S_QK, DQ, DK})  # MX under attention="qk_only"; the rest is the value path
 
 _HIGH_PRECISION_REASON = {
-    "off": "attention='off' keeps attention GEMMs in high precision",
-    "qk_only": "attention='qk_only' keeps the value path (O = P·V, dV = Pᵀ·dO, dP = dO·Vᵀ) in high precision",
+    AttentionMode.OFF: "attention='off' keeps attention GEMMs in high precision",
+    AttentionMode.QK_ONLY: "attention='qk_only' keeps the value path (O = P·V, dV = Pᵀ·dO, dP = dO·Vᵀ) in high precision",
 }
 
 
 def _mx_role(role: str, config: MXConfig) -> str | None:
     """Why config.attention keeps this role in high precision, or None when it goes to MX."""
-    if config.attention == "off" or (config.attention == "qk_only" and role not in QK_FAMILY):
+    if config.attention is AttentionMode.OFF or (config.attention is AttentionMode.QK_ONLY and role not in QK_FAMILY):
         return _HIGH_PRECISION_REASON[config.attention]
     return None
 
@@ -167,16 +169,12 @@ _BY_BACKWARD = {p.backward: p for p in FUSED_PATTERNS if p.backward is not None}
 
 
 def bound_arguments(node: fx.Node) -> dict[str, Any]:
-    """node's arguments by schema name, defaults filled in."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
+    """node's arguments by schema name, defaults filled in (torch.fx's normalize_function)."""
+    normalized = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                                    normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        raise ValueError(f"{node.format_node()}: the arguments do not bind to {node.target}'s schema")
+    return dict(normalized.kwargs)
 
 
 @dataclass(frozen=True)
@@ -255,8 +253,8 @@ def _getitem_users(node: fx.Node) -> dict[int, fx.Node]:
 
 def _fused_ineligibility(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> str | None:
     """Why this fused attention must stay aten's, or None when it can be replaced."""
-    if config.attention == "off":
-        return _HIGH_PRECISION_REASON["off"]
+    if config.attention is AttentionMode.OFF:
+        return _HIGH_PRECISION_REASON[AttentionMode.OFF]
     fwd = bound_arguments(site.forward)
     q, k, v = (fake_value(fwd[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -398,13 +396,14 @@ def _op_arguments(site: FusedSite, config: MXConfig) -> _OpArguments:
     width = concrete_int(fake_value(q_node).shape[-1])
     scale = float(fwd["scale"]) if fwd.get("scale") is not None else 1.0 / math.sqrt(width)
     key_tile = default_key_tile(config.block_size)
-    common = (bool(fwd.get("is_causal", False)), scale, config.attention, config.forward_elem)
-    tail = (config.scale_mode, config.block_size, key_tile)
+    # The op schemas take str: enum members cross the torch.library boundary as their values.
+    common = (bool(fwd.get("is_causal", False)), scale, config.attention.value, config.forward_elem.value)
+    tail = (config.scale_mode.value, config.block_size, key_tile)
     forward = (q_node, k_node, v_node, mask_node, *common, *tail)
     backward = None
     if site.backward is not None:
         grad_out, bq, bk, bv = site.backward.args[:4]
-        backward = (grad_out, bq, bk, bv, mask_node, _OUT, _LSE, *common, config.grad_elem, *tail)
+        backward = (grad_out, bq, bk, bv, mask_node, _OUT, _LSE, *common, config.grad_elem.value, *tail)
     return _OpArguments(forward, backward)
 
 
@@ -484,7 +483,7 @@ def _fused_gemm_rows(site: FusedSite) -> list[tuple[fx.Node, str, int, tuple]]:
     return rows
 
 
-def _operand_elem(role: str, operand_index: int, config: MXConfig) -> str:
+def _operand_elem(role: str, operand_index: int, config: MXConfig) -> ElemFormatName:
     """dO and dS are gradients; everything else (Q, K, V, P) is forward data."""
     gradient_operand = {DV: 1, DP: 0, DQ: 0, DK: 0}.get(role)
     return config.grad_elem if operand_index == gradient_operand else config.forward_elem
@@ -815,7 +814,7 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
                 kind=KIND, shapes=tuple(shape for _, shape, _ in operands), flops=flops,
                 module=module_name(site.forward), decision=CONVERTED if converted else KEPT,
                 reason=role_reason,
-                operands=tuple(OperandQuantization(name, shape, axis, elem)
+                operands=tuple(OperandQuantization(name, shape, axis, elem.value)
                                for (name, shape, axis), elem in zip(operands, elems)) if converted else (),
             ))
         if replace:
@@ -842,8 +841,8 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
                         "eager softmax attention)") if reason is None
                 else f"{role}: {reason} (eager softmax attention)",
                 operands=(
-                    OperandQuantization(lhs_node.name, shape_hint(lhs), 2, elems[0]),
-                    OperandQuantization(rhs_node.name, shape_hint(rhs), 1, elems[1]),
+                    OperandQuantization(lhs_node.name, shape_hint(lhs), 2, elems[0].value),
+                    OperandQuantization(rhs_node.name, shape_hint(rhs), 1, elems[1].value),
                 ) if reason is None else (),
             )
             decisions.append(decision)

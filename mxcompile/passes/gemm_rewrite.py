@@ -229,7 +229,7 @@ def _grouped_decision(
         reason = "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
     if reason is not None:
         return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=reason, **row), 0
-    operands = tuple(OperandQuantization(n.name, shape_hint(fake_value(n)), axis, elem)
+    operands = tuple(OperandQuantization(n.name, shape_hint(fake_value(n)), axis, elem.value)
                      for n, axis, elem in zip((gemm.lhs, gemm.rhs), gemm.axes, elems))
     build = emit_grouped_gemm(gm, node, gemm, elems, padding, config)
     return GemmDecision(kind=kind, flops=flops, decision=CONVERTED, reason=describe(gemm, padding),
@@ -268,8 +268,8 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
         padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
         reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, padding, config)
         operands = (
-            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0]),
-            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1]),
+            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0].value),
+            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1].value),
         )
         graph = _graph_label(node, graph_name)
         if reason is None:

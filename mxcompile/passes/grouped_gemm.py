@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..config import MXConfig
+from ..numerics import ElemFormatName
 from ..ops.quantize import DEQUANTIZE, QUANTIZE
 from .graph_facts import NodeBuilder, concrete_int, fake_value
 from .mx_gemm import ContractionPadding, pad_along, size_value
@@ -103,9 +104,9 @@ def describe(gemm: GroupedGemm, padding: ContractionPadding) -> str:
             f"{EMULATION_NOTE}")
 
 
-def _mx_values(build: NodeBuilder, operand: fx.Node, axis: int, elem: str, config: MXConfig) -> fx.Node:
+def _mx_values(build: NodeBuilder, operand: fx.Node, axis: int, elem: ElemFormatName, config: MXConfig) -> fx.Node:
     """operand MX-quantized along axis and dequantized back to its dtype."""
-    q = build.call(QUANTIZE, operand, axis, elem, config.scale_mode,
+    q = build.call(QUANTIZE, operand, axis, elem.value, config.scale_mode.value,
                    config.block_size)
     data, scale = build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)
     return build.call(DEQUANTIZE, data, scale, axis, config.block_size,

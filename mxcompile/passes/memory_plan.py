@@ -1,7 +1,7 @@
 """Apply the activation-memory plan: recompute by moving forward subgraphs into the backward,
 offload via custom ops.
 
-Flow (:func:`plan_and_partition`, called by ``backend.compile_graph``'s partition step):
+Flow (:func:`plan_and_partition`, the pipeline's PARTITION_STAGE, run by ``backend.compile_graph``'s partition step):
 
 1. partition the rewritten joint graph as usual (min-cut);
 2. build the planner's :class:`~mxcompile.planner.Problem` from that forward/backward pair

@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import MXConfig
+from ..numerics import ElemFormatName
 from ..ops.mx_mm import MX_MM
 from ..ops.quantize import QUANTIZE
 from .graph_facts import NodeBuilder, concrete_int, fake_value, module_name
@@ -125,7 +126,7 @@ def pad_along(build: NodeBuilder, operand: fx.Node, axis: int, block_size: int, 
 
 def emit_mx_gemm(
     gm: fx.GraphModule, node: fx.Node, lhs: fx.Node, rhs: fx.Node, axes: tuple[int, int],
-    elems: tuple[str, str], padding: ContractionPadding, config: MXConfig,
+    elems: tuple[ElemFormatName, ElemFormatName], padding: ContractionPadding, config: MXConfig,
 ) -> tuple[fx.Node, NodeBuilder]:
     """Insert quantize(lhs along axes[0]), quantize(rhs along axes[1]) -> mx_mm before `node`,
     zero-padding both along the contraction first when `padding.padded`. Returns the mx_mm
@@ -135,8 +136,9 @@ def emit_mx_gemm(
     for operand, axis, elem in ((lhs, axes[0], elems[0]), (rhs, axes[1], elems[1])):
         if padding.padded:
             operand = pad_along(build, operand, axis, config.block_size)
-        q = build.call(QUANTIZE, operand, axis, elem,
-                       config.scale_mode, config.block_size)
+        # The op schemas take str: enum members cross the torch.library boundary as their values.
+        q = build.call(QUANTIZE, operand, axis, elem.value,
+                       config.scale_mode.value, config.block_size)
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
     out_dtype = fake_value(node).dtype
     result = build.call(MX_MM, *quantized, config.block_size, out_dtype)

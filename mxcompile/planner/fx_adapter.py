@@ -50,6 +50,7 @@ import torch.utils._pytree as pytree
 
 from ..cost.graph_costs import is_alias, node_bytes, node_time_s, workspace_bytes
 from ..cost.profiles import DeviceProfile
+from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
 from .memory import evaluate
 from .problem import BACKWARD, FORWARD, KEEP, Problem, SavedTensor, Step
@@ -181,7 +182,7 @@ def build_problem(
     num_fwd_outputs: int,
     param_input_indices: Sequence[int],
     profile: DeviceProfile,
-    budget: int | float | None = None,
+    budget: MemoryBudget | None = None,
     offload: bool = False,
     with_min_peak: bool = True,
 ) -> AdapterResult:
@@ -192,7 +193,7 @@ def build_problem(
         num_fwd_outputs: the forward's user outputs (the rest are saved for the backward).
         param_input_indices: forward placeholder indices of parameters and buffers.
         profile: the device whose rates time the steps and whose host link an offload uses.
-        budget: bytes (int), a fraction in (0, 1] of the activation headroom (float, see
+        budget: bytes or a fraction in (0, 1] of the activation headroom (see
             :meth:`AdapterResult.budget_for_fraction`), or None (keep-everything peak).
         offload: allow the "offload" decision (the profile's host-link bandwidth).
         with_min_peak: find ``min_peak_bytes`` (a heuristic run); without it, it is the
@@ -292,10 +293,10 @@ def build_problem(
     )
     if budget is None:
         budget_bytes, fraction = keep_all.peak_bytes, None
-    elif isinstance(budget, float):
-        budget_bytes, fraction = result.budget_for_fraction(budget), budget
+    elif budget.fraction is not None:
+        budget_bytes, fraction = result.budget_for_fraction(budget.fraction), budget.fraction
     else:
-        budget_bytes, fraction = int(budget), None
+        budget_bytes, fraction = budget.bytes, None
     return replace(result, problem=replace(problem, budget_bytes=max(1, budget_bytes)), fraction=fraction)
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MXConfig
-from ..numerics import E8M0_BIAS, E8M0_NAN, ElemFormat, dequantize_along, elem_format, quantize_along, scale_mode
+from ..numerics import E8M0_BIAS, E8M0_NAN, ElemFormat, dequantize_along, elem_format, quantize_along, scale_mode_named
 from ..numerics.scales import scale_fp32_from_bytes
 from ..report import CONVERTED, Report
 from .cotangents import DEFAULT_COTANGENT_SEED, differentiable_outputs, make_cotangents
@@ -75,7 +75,7 @@ def _block_view(x: Tensor, axis: int, block_size: int) -> Tensor:
 
 def mx_roundtrip(x: Tensor, axis: int, fmt: ElemFormat, mode: str, block_size: int) -> tuple[Tensor, Tensor]:
     """(dequantized values as float64, uint8 scale bytes) of x quantized along `axis`."""
-    data, scales = quantize_along(x.float(), axis, fmt, scale_mode(mode), block_size)
+    data, scales = quantize_along(x.float(), axis, fmt, scale_mode_named(mode), block_size)
     return dequantize_along(data, scales, axis, block_size, torch.float64), scales
 
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode
+from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode_named
 from ..numerics.quantize import check_quantizable
 
 __all__ = [
@@ -124,8 +124,6 @@ def _require(
         raise RuntimeError(f"the MX Triton kernels cannot run: {reason}")
 
 
-_scale_mode = scale_mode
-
 
 def rendered_sources() -> dict[str, str]:
     """Sources of the kernel modules loaded in this process ("<module>" -> source); empty when
@@ -164,7 +162,7 @@ def quantize_mx_triton(
     2-D tensor. `tiles` ({"BLOCK_M", "BLOCK_N"}) overrides the autotuned tile sizes.
     """
     fmt = elem_format(elem)
-    mode = _scale_mode(scale_mode)
+    mode = scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
     _require(x.device, elem=fmt.name, block_size=block_size)
     if axis == x.ndim - 1:
@@ -218,7 +216,7 @@ def quantize_mx_triton_rowcol(
     from .quantize import quantize_launch
 
     fmt = elem_format(elem)
-    mode = _scale_mode(scale_mode)
+    mode = scale_mode_named(scale_mode)
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
         raise ValueError("quantize_mx_triton_rowcol needs a 2-D tensor")
     check_quantizable(x, 0, block_size)
@@ -338,7 +336,7 @@ def mx_mm_triton(
         out_elem = elem_format(quantize_output, argument="quantize_output").name
         if n % block_size:
             raise ValueError(f"quantize_output needs N={n} to be a multiple of block_size")
-    _scale_mode(output_scale_mode, argument="output_scale_mode")
+    scale_mode_named(output_scale_mode, argument="output_scale_mode")
     _require(a.device, block_size=block_size)
     use_dot_scaled = resolve_gemm_path(path, a.device, block_size)
     _check_tiles(

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..numerics.formats import elem_format, scale_mode
+from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
 from .common import check_cast
 from .configs import attention_autotune_configs, interpreter_attention_config
@@ -58,7 +58,7 @@ class AttentionKey:
     def __post_init__(self) -> None:
         for elem in (self.elem, *self.qkv_elems):
             elem_format(elem)
-        scale_mode(self.scale_mode)
+        scale_mode_named(self.scale_mode)
         check_cast(self.cast)
 
     def meta(self) -> dict[str, str]:
@@ -67,7 +67,7 @@ class AttentionKey:
         return {
             "Q_ELEM": q_elem, "K_ELEM": k_elem, "V_ELEM": v_elem,
             "P_ELEM": elem_format(self.elem).name,
-            "P_SCALE_MODE": scale_mode(self.scale_mode).value,
+            "P_SCALE_MODE": scale_mode_named(self.scale_mode).value,
             "CAST": self.cast,
         }  # fmt: skip
 
@@ -151,7 +151,7 @@ def mx_attention_triton(
     interpret = _interpreting()
     key = AttentionKey(
         elem_format(p_elem).name,
-        scale_mode(p_scale_mode).value,
+        scale_mode_named(p_scale_mode).value,
         cast,
         (_FP8_DTYPE_TO_ELEM[q.dtype], _FP8_DTYPE_TO_ELEM[k.dtype], _FP8_DTYPE_TO_ELEM[v.dtype]),
     )
@@ -290,7 +290,7 @@ def mx_attention_reference(
     qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     s_all = _scores(qf, kf, sm_scale * LOG2E, causal)
-    fmt, mode = elem_format(p_elem), scale_mode(p_scale_mode)
+    fmt, mode = elem_format(p_elem), scale_mode_named(p_scale_mode)
     s_k = s_all.shape[-1]
     m = torch.full(s_all.shape[:-1], float("-inf"), device=s_all.device)
     denom = torch.zeros(s_all.shape[:-1], device=s_all.device)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics.formats import elem_format
-from ..numerics.formats import scale_mode as scale_mode_named
+from ..numerics.formats import scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
 from .attention import LOG2E
 from .common import check_cast

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..numerics.formats import elem_format, scale_mode
+from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along
 from .common import check_cast
 from .configs import interpreter_mx_mm_config, mx_mm_autotune_configs
@@ -61,7 +61,7 @@ class MXMMKey:
         elem_format(self.b_elem, argument="b_elem")
         check_epilogue(self.epilogue)
         elem_format(self.out_elem, argument="out_elem")
-        scale_mode(self.out_scale_mode, argument="out_scale_mode")
+        scale_mode_named(self.out_scale_mode, argument="out_scale_mode")
         check_cast(self.cast)
 
     def meta(self) -> dict[str, str]:
@@ -71,7 +71,7 @@ class MXMMKey:
             "B_ELEM": elem_format(self.b_elem).name,
             "EPILOGUE": ",".join(check_epilogue(self.epilogue)),
             "OUT_ELEM": elem_format(self.out_elem).name,
-            "OUT_SCALE_MODE": scale_mode(self.out_scale_mode).value,
+            "OUT_SCALE_MODE": scale_mode_named(self.out_scale_mode).value,
             "CAST": self.cast,
         }
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode
+from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode_named
 from ..numerics.quantize import quantize_along
 from .common import check_cast
 from .configs import interpreter_quantize_config, quantize_autotune_configs
@@ -108,4 +108,4 @@ def quantize_reference(
     x: torch.Tensor, axis: int, elem: str = "e4m3", mode: str = "rceil", block_size: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of the quantize kernel: the numerics core itself."""
-    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode(mode), block_size)
+    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(mode), block_size)

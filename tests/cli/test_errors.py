@@ -57,6 +57,8 @@ def test_unknown_example_lists_known_ones(capsys: pytest.CaptureFixture[str]) ->
         ("no_equals_sign", "is not KEY=VALUE"),
         ("not_an_option=1", "unknown mxfp8 option(s) ['not_an_option']"),
         ("scale_mode=round_down", "scale_mode='round_down' is not accepted"),
+        ("memory_budget=1", "memory_budget=1: a bare int is ambiguous"),
+        ("attention=all", "attention='all' is not accepted; accepted: ['both', 'qk_only', 'off']"),
     ],
 )
 def test_bad_config(option: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,7 +67,7 @@ def test_bad_config(option: str, expected: str, capsys: pytest.CaptureFixture[st
 
 
 def test_budget_that_cannot_be_met_is_a_usage_error(user_target: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", f"{user_target}:make", "--graph", "none", "--config", "memory_budget=1"]) == EXIT_USAGE
+    assert main(["inspect", f"{user_target}:make", "--graph", "none", "--config", "memory_budget=1B"]) == EXIT_USAGE
     line = _error_line(capsys)
     assert "memory_budget" in line and "BackendCompilerFailed" not in line  # the planner's own message
 

@@ -13,6 +13,7 @@ from mxcompile.cli.options import changed_settings, config_from_overrides, parse
 from mxcompile.cli.targets import load_target
 from mxcompile.cli.views import marked_lines, memory_plan_view
 from mxcompile.report import Report
+from mxcompile.planner.budget import MemoryBudget
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,7 @@ def test_config_from_overrides() -> None:
     config = config_from_overrides(["hp_weight_grad=true", "exclude=lm_head", "memory_budget=6GiB"])
     assert config.hp_weight_grad is True
     assert config.exclude == ("lm_head",)
-    assert config.memory_budget == 6 * 2**30
+    assert config.memory_budget == MemoryBudget.of_bytes(6 * 2**30)
     assert set(changed_settings(config)) == {"hp_weight_grad", "exclude", "memory_budget"}
 
 
@@ -77,7 +78,7 @@ def test_memory_plan_views() -> None:
     plan = {"budget_bytes": 2048, "step_time_s": 2e-5, "offloaded": ["a", "b"], "tags": {"must_save": 4},
             "tensors": [{"name": "mm", "bytes": 4096, "decision": "recompute"}]}
     plan["graphs"] = [dict(plan)]  # one graph: the same record nested, shown once
-    text = _render(memory_plan_view(Report(config={"memory_budget": 1000}, memory_plan=plan)))
+    text = _render(memory_plan_view(Report(config={"memory_budget": "1000B"}, memory_plan=plan)))
     assert "2.0 KiB" in text and "20 µs" in text and "a, b" in text and "must_save=4" in text
     assert "Memory plan: tensors" in text and "recompute" in text and "4.0 KiB" in text
     assert "graphs[0]" not in text

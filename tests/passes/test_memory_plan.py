@@ -81,7 +81,7 @@ def test_plan_tensors_are_the_saved_tensors(unplanned) -> None:
 
 def test_infeasible_budget_names_the_smallest() -> None:
     with pytest.raises(Exception, match="raise memory_budget to at least") as info:
-        train_step(1)
+        train_step("1B")  # one byte: no plan can meet it
     assert "cannot be met" in str(info.value)
 
 

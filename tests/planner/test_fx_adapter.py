@@ -10,6 +10,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from mxcompile.cost.graph_costs import node_flops, value_bytes
 from mxcompile.cost.profiles import H100_SXM
 from mxcompile.planner import plan_activation_memory
+from mxcompile.planner.budget import MemoryBudget
 from mxcompile.planner.fx_adapter import build_problem
 
 M, K, N = 64, 32, 48
@@ -79,6 +80,6 @@ def test_plan_is_deterministic() -> None:
     fw, bw, n_out = partitioned(mlp, x, w)
     plans = []
     for _ in range(2):
-        adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM, budget=0.8)
+        adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM, budget=MemoryBudget.of_fraction(0.8))
         plans.append(plan_activation_memory(adapted.problem).decisions)
     assert plans[0] == plans[1]
