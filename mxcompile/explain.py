@@ -10,6 +10,7 @@ import torch
 
 from .backend import compile_graph
 from .config import MXConfig
+from .distributed.mx_all_gather import all_gather_decisions
 from .lowering import eager_compiler
 from .report import Report
 
@@ -21,12 +22,16 @@ def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = Non
     `config` is explain's own keyword, so a model input of that name cannot be given here.
 
     Runs one forward pass with autograd enabled (the joint graph is built then) and no backward,
-    so no gradient of the model is touched; buffers are restored afterwards.
+    so no gradient of the model is touched; buffers are restored afterwards. For a model
+    sharded with `mxcompile.distributed.fully_shard`, `report.all_gather` holds the MXFP8
+    all-gather decision of every nn.Linear weight, with its reason.
     """
     config = config if config is not None else MXConfig()
     if not isinstance(config, MXConfig):
         raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
     report = Report(config.to_dict())
+    if isinstance(model, torch.nn.Module):
+        report.all_gather.update(all_gather_decisions(model))
     backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report)
     modules = [model] if isinstance(model, torch.nn.Module) else []
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]

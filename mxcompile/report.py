@@ -79,6 +79,7 @@ class Report:
     graphs: list[GraphSnapshot] = field(default_factory=list)
     memory_plan: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
+    all_gather: dict[str, str] = field(default_factory=dict)  # FSDP2 weight -> all-gather decision
 
     def add_pass_result(self, result: PassResult) -> None:
         self.passes.append(result)
@@ -145,6 +146,7 @@ class Report:
             "graphs": [asdict(g) for g in self.graphs],
             "memory_plan": self.memory_plan,
             "fallbacks": list(self.fallbacks),
+            "all_gather": dict(self.all_gather),
         }
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -158,6 +158,18 @@ def fallbacks_view(report: Report) -> RenderableType | None:
                  border_style="red")
 
 
+def all_gather_view(report: Report) -> Table | None:
+    """The FSDP2 all-gather decision of every sharded nn.Linear weight, with its reason."""
+    if not report.all_gather:
+        return None
+    table = Table(title="FSDP2 weight all-gather", title_justify="left")
+    table.add_column("weight")
+    table.add_column("decision and reason")
+    for weight, decision in report.all_gather.items():
+        table.add_row(weight, decision)
+    return table
+
+
 def marked_lines(code: str, marker: str = MX_OP_MARKER) -> set[int]:
     """1-based numbers of the lines of `code` that contain `marker`."""
     return {i for i, line in enumerate(code.splitlines(), start=1) if marker in line}
@@ -186,8 +198,6 @@ def graph_views(report: Report, choice: str) -> Iterable[RenderableType]:
 def report_views(report: Report, graphs: str) -> Group:
     parts: list[RenderableType] = list(graph_views(report, graphs))
     parts += [decisions_table(report), totals_table(report)]
-    fallbacks = fallbacks_view(report)
-    if fallbacks is not None:
-        parts.append(fallbacks)
+    parts += [view for view in (fallbacks_view(report), all_gather_view(report)) if view is not None]
     parts.append(memory_plan_view(report))
     return Group(*parts)

@@ -56,11 +56,16 @@ WEIGHT_NDIM = 2
 ROW_AXIS = 0  # N, out_features: the axis FSDP2 shards, and the dX GEMM's contraction axis
 COL_AXIS = 1  # K, in_features: the forward GEMM's contraction axis
 _NOT_IN_BACKWARD = -1  # torch._C._current_graph_task_id() outside the autograd engine
+# The nn.Linear attribute holding the all-gather decision for its weight, with its reason:
+# FSDP2 replaces the parameter when it shards, the module stays (read by `all_gather_decisions`).
+ALL_GATHER_DECISION_ATTR = "mxcompile_all_gather"
 
 __all__ = [
+    "ALL_GATHER_DECISION_ATTR",
     "AllGatherStats",
     "MXAllGatherSpec",
     "MXAllGatherWeight",
+    "all_gather_decisions",
     "all_gather_mx_weight",
     "enable_mx_all_gather",
     "mx_all_gather_bytes_per_element",
@@ -310,22 +315,40 @@ def enable_mx_all_gather(
         if isinstance(weight, MXAllGatherWeight) or isinstance(getattr(weight, "data", None), MXAllGatherWeight):
             decisions[key] = "already MX all-gather"
             continue
-        rows, cols = weight.shape
-        if _is_dtensor(weight):
-            decisions[key] = ("kept: tensor-parallel DTensor weight (2-D mesh); the MX all-gather wraps "
-                              "plain tensors only, so FSDP2 gathers it in the parameter dtype")
-        elif not weight.dtype.is_floating_point:
-            decisions[key] = f"kept: dtype {weight.dtype} is not floating point"
-        elif cols % spec.block_size:
-            decisions[key] = f"kept: K={cols} not divisible by block_size={spec.block_size}"
-        elif rows % world_size:
-            decisions[key] = (
-                f"kept: N={rows} not divisible by world_size={world_size} (FSDP2 pads uneven "
-                "shards and requires every all-gather input to have the padded size)"
-            )
-        else:
-            axis, why = _backward_axis(rows, world_size, spec.block_size)
-            wrapped = MXAllGatherWeight(weight.detach(), spec, axis)
+        backward_axis, decision = all_gather_decision(weight, spec, world_size)
+        if backward_axis is not None:
+            wrapped = MXAllGatherWeight(weight.detach(), spec, backward_axis)
             child.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
-            decisions[key] = f"mxfp8 all-gather; {why}"
+        setattr(child, ALL_GATHER_DECISION_ATTR, decision)
+        decisions[key] = decision
     return decisions
+
+
+def all_gather_decision(weight: torch.Tensor, spec: MXAllGatherSpec, world_size: int) -> tuple[int | None, str]:
+    """The exactness rule for one nn.Linear weight (N, K) sharded along N over `world_size`
+    ranks: (the backward gather's quantization axis, the decision with its reason), or
+    (None, why the weight keeps FSDP2's plain all-gather)."""
+    rows, cols = weight.shape
+    if _is_dtensor(weight):
+        return None, ("kept: tensor-parallel DTensor weight (2-D mesh); the MX all-gather wraps "
+                      "plain tensors only, so FSDP2 gathers it in the parameter dtype")
+    if not weight.dtype.is_floating_point:
+        return None, f"kept: dtype {weight.dtype} is not floating point"
+    if cols % spec.block_size:
+        return None, f"kept: K={cols} not divisible by block_size={spec.block_size}"
+    if rows % world_size:
+        return None, (f"kept: N={rows} not divisible by world_size={world_size} (FSDP2 pads uneven "
+                      "shards and requires every all-gather input to have the padded size)")
+    axis, why = _backward_axis(rows, world_size, spec.block_size)
+    return axis, f"mxfp8 all-gather; {why}"
+
+
+def all_gather_decisions(model: nn.Module) -> dict[str, str]:
+    """{weight name: all-gather decision with its reason} for every nn.Linear of `model` that
+    `enable_mx_all_gather` (or `fully_shard` with `fsdp_all_gather="mxfp8"`) decided on; empty
+    for a model it never saw. Read by `mxcompile.explain`."""
+    return {
+        f"{name}.weight" if name else "weight": getattr(module, ALL_GATHER_DECISION_ATTR)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and hasattr(module, ALL_GATHER_DECISION_ATTR)
+    }

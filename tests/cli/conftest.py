@@ -83,7 +83,7 @@ def user_target(tmp_path: Path) -> Path:
 # ---- The documented JSON keys (mxcompile/cli/SCHEMA.md) ----------------------------------
 
 REPORT_KEYS = {"schema_version", "config", "totals", "decisions", "passes", "saved_tensors", "graphs",
-               "memory_plan", "fallbacks"}
+               "memory_plan", "fallbacks", "all_gather"}
 TOTALS_KEYS = {"gemms", "converted", "kept", "gemm_flops", "gemm_flops_converted", "converted_flop_fraction",
                "saved_activation_bytes_before", "saved_activation_bytes_after"}
 DECISION_KEYS = {"graph", "node", "op", "kind", "shapes", "flops", "module", "decision", "reason", "operands"}

@@ -16,6 +16,7 @@ from mxcompile.distributed import (
     CollectiveCounter,
     MXAllGatherSpec,
     MXAllGatherWeight,
+    all_gather_decisions,
     all_gather_mx_weight,
     enable_mx_all_gather,
     mx_all_gather_bytes_per_element,
@@ -150,6 +151,24 @@ def test_enable_mx_all_gather_decisions():
     assert type(model["bad_k"].weight) is nn.Parameter and model["ok"].bias.__class__ is nn.Parameter
     with pytest.raises(ValueError, match="fsdp_all_gather='bf16'"):
         enable_mx_all_gather(model, MXConfig(), world_size=WORLD)
+
+
+def test_explain_reports_every_weights_all_gather_decision():
+    """explain's report carries the per-weight rule's decision and reason (JSON too); a model
+    the MX all-gather never saw reports none."""
+    import mxcompile
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 40), nn.Linear(40, 64))
+    plain = mxcompile.explain(model, torch.randn(32, 64))
+    assert plain.all_gather == {}
+    config = MXConfig(fsdp_all_gather="mxfp8")
+    decisions = enable_mx_all_gather(model, config, world_size=WORLD)
+    assert all_gather_decisions(model) == decisions
+    report = mxcompile.explain(model, torch.randn(32, 64), config=config)
+    assert report.all_gather == decisions and report.to_dict()["all_gather"] == decisions
+    assert report.all_gather["0.weight"].startswith("mxfp8 all-gather; backward gathers W quantized along N")
+    assert report.all_gather["2.weight"].startswith("mxfp8 all-gather; shard rows N/world_size = 20")
+    assert report.all_gather["3.weight"] == "kept: K=40 not divisible by block_size=32"
 
 
 @pytest.fixture

@@ -90,8 +90,9 @@ def test_llama_2d_mesh_fsdp_and_tp_matches_one_process(launch_workers):
     """(dp=2, tp=2) on 4 ranks: parallelize_module over tp, fully_shard over dp. Losses to
     LOSS_RTOL and first-step gradients to GRAD_RTOL (measured 6e-8) of one process on the
     global batch, every GEMM converted as there. The MX all-gather rule is decided per weight:
-    tensor-parallel DTensor weights keep the plain all-gather (reason recorded), the
-    replicated LM head gets the MX all-gather."""
+    tensor-parallel DTensor weights keep the plain all-gather (reason recorded, and read back
+    from the sharded model the way `mxcompile.explain` reports it), the replicated LM head gets
+    the MX all-gather."""
     result = launch_workers("mesh2d", "--lowering", "eager", "--scenarios", "llama_2d",
                             nproc=MESH_2D_RANKS)["llama_2d"]
     for got, want in zip(result["losses"], result["reference_losses"], strict=True):
@@ -102,3 +103,4 @@ def test_llama_2d_mesh_fsdp_and_tp_matches_one_process(launch_workers):
     assert decisions["lm_head.weight"].startswith("mxfp8 all-gather; backward gathers W quantized along N")
     kept = {name for name, why in decisions.items() if why.startswith("kept: tensor-parallel DTensor weight")}
     assert len(kept) == 14 and "lm_head.weight" not in kept
+    assert result["explained_all_gather"] == decisions  # what mxcompile.explain reports per weight

@@ -272,7 +272,7 @@ def run_llama_2d(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[st
     `fully_shard` over dp (MX all-gather requested), against one process on the global batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mxcompile.distributed import fully_shard, parallelize_module
+    from mxcompile.distributed import all_gather_decisions, fully_shard, parallelize_module
 
     if dist.get_world_size() != MESH_2D[0] * MESH_2D[1]:
         raise SystemExit(f"llama_2d needs {MESH_2D[0] * MESH_2D[1]} ranks, got {dist.get_world_size()}")
@@ -296,4 +296,5 @@ def run_llama_2d(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[st
     return {"reference_losses": reference["losses"], "losses": run["losses"],
             "grads_rel_err": _rel_err(run["grads"], reference["grads"]),
             "problems": [str(p) for p in problems], "all_gather": dict(result.all_gather),
+            "explained_all_gather": all_gather_decisions(model),
             "converted": sum(d.decision == "mxfp8" for d in report.decisions)}
