@@ -28,7 +28,7 @@ GEMMS_PER_STEP = 5  # 2 forward, 2 dW, 1 dX (the input needs no gradient)
 LINEARS = ["0", "2"]
 
 
-@pytest.mark.parametrize("usage", ["ddp_compile", "fully_shard"])
+@pytest.mark.parametrize("usage", ["ddp_compile", "fully_shard", "tensor_parallel"])
 def test_usage_trains_in_mx(results, usage):
     result = results["usages"][usage]
     assert result["converted"] == GEMMS_PER_STEP
@@ -52,6 +52,10 @@ def test_full_precision_usage_is_named_with_the_usage_that_works(results, usage,
     expected_warnings = 1 if usage != "fsdp_per_linear" else len(LINEARS)  # one per compiled module
     assert len(warned) == expected_warnings, warned
     assert all(fix in w and "full precision" in w for w in warned), warned
+
+
+def test_tensor_parallel_helper_on_sequential_cuts_no_block(results):
+    assert results["usages"]["tensor_parallel"]["problems"] == []
 
 
 def test_fully_shard_helper_units_and_no_warning(results):

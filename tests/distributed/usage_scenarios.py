@@ -93,16 +93,17 @@ def run_usages(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[str,
     fp32_reference = _step(plain, dict(plain.named_parameters()), rows)
 
     def record(build: Callable[[nn.Module, Backend], tuple[Callable, nn.Module]],
-               warn: Callable[[], Any] | None = None) -> dict[str, Any]:
-        """One step of `build(model, backend)`'s (forward, root); `warn` builds the same
-        layout with mxcompile.compile, whose warnings are recorded."""
+               warn: Callable[[], Any] | None = None, inputs: torch.Tensor | None = None) -> dict[str, Any]:
+        """One step of `build(model, backend)`'s (forward, root) on `inputs` (default: this
+        rank's rows); `warn` builds the same layout with mxcompile.compile, whose warnings are
+        recorded."""
         torch._dynamo.reset()
         report = Report({})
         model = _sequential()
         forward, root = build(model, make_backend(MXConfig(), report))
         # After fully_shard (it replaces parameters); torch.compile'd children add _orig_mod.
         params = {name.replace("_orig_mod.", ""): p for name, p in model.named_parameters()}
-        grads = _step(forward, params, local)
+        grads = _step(forward, params, local if inputs is None else inputs)
         return {
             "converted": sum(d.decision == "mxfp8" for d in report.decisions),
             "vs_mx_reference": _rel_err(grads, mx_reference),
@@ -139,6 +140,18 @@ def run_usages(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[str,
 
     helper_units: dict[str, str] = {}
 
+    def tensor_parallel(model, backend):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from mxcompile.distributed import parallelize_module, tensor_parallel_plan
+
+        plan = tensor_parallel_plan(model, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        tp_problems.extend(str(p) for p in parallelize_module(model, mesh, plan))
+        compiled = torch.compile(model, backend=backend)
+        return compiled, compiled
+
+    tp_problems: list[str] = []
+
     def fsdp_model() -> nn.Module:
         model = _sequential()
         for unit in (model[0], model[2], model):
@@ -158,6 +171,9 @@ def run_usages(make_backend: Callable[[MXConfig, Report], Backend]) -> dict[str,
         helper_warnings = [str(w.message) for w in caught if str(w.message).startswith("mxfp8:")]
     results["fully_shard"]["mxcompile_warnings"] = helper_warnings
     results["fully_shard"]["units"] = helper_units
+    # Tensor parallelism runs every rank on the global batch (each rank holds a shard of the weights).
+    results["tensor_parallel"] = record(tensor_parallel, inputs=rows)
+    results["tensor_parallel"]["problems"] = tp_problems
     return results
 
 
