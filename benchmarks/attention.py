@@ -11,7 +11,7 @@ threads than at 1 under a load of 7 on 2 cores), so use --threads 1 there.
 Variants:
     sdpa      F.scaled_dot_product_attention in fp32 (aten's CPU flash kernel)
     mx        mxcompile.attention.mx_attention, MXFP8 (every GEMM MX, key-tiled, fp32 softmax)
-    mx_fp32   the same tiled code with mode="off": separates the cost of MX quantization from
+    mx_fp32   the same tiled code with attention_mode="off": separates the cost of MX quantization from
               the cost of running the tiles as eager PyTorch ops
     math      softmax(Q·Kᵀ·s + M)·V materialized (the eager form), for the O(T²) memory line
 
@@ -57,7 +57,7 @@ def attention_fn(variant: str) -> Callable:
     if variant == "mx":
         return lambda q, k, v, c: mx_attention(q, k, v, is_causal=c)
     if variant == "mx_fp32":
-        return lambda q, k, v, c: mx_attention(q, k, v, is_causal=c, mode="off")
+        return lambda q, k, v, c: mx_attention(q, k, v, is_causal=c, attention_mode="off")
     if variant == "math":
         return _math_attention
     raise ValueError(f"variant={variant!r}; accepted: {list(VARIANTS)}")

@@ -111,16 +111,16 @@ def check(device: torch.device) -> bool:
     x = base.to(device=device, dtype=torch.bfloat16)
     casts = ["software", "hardware"] if device.type == "cuda" else ["software"]
     for cast in casts:
-        for mode in ("rceil", "floor", "ceil", "even"):
-            ref = [quantize_along(x.cpu(), a, E4M3, ScaleMode(mode), 32) for a in (1, 0)]
-            rd, rs, cd, cs = quantize_mx_triton_rowcol(x, scale_mode=mode, cast=cast)
+        for scale_mode in ("rceil", "floor", "ceil", "even"):
+            ref = [quantize_along(x.cpu(), a, E4M3, ScaleMode(scale_mode), 32) for a in (1, 0)]
+            rd, rs, cd, cs = quantize_mx_triton_rowcol(x, scale_mode=scale_mode, cast=cast)
             got = [(rd, rs), (cd, cs)]
             exact = all(
                 torch.equal(d.cpu().view(torch.uint8), rd_.view(torch.uint8))
                 and torch.equal(s.cpu(), rs_)
                 for (d, s), (rd_, rs_) in zip(got, ref, strict=True)
             )
-            report(f"quantize rowcol {mode:5s} cast={cast}", exact, "bit-exact" if exact else "")
+            report(f"quantize rowcol {scale_mode:5s} cast={cast}", exact, "bit-exact" if exact else "")
     m, n, k = 80, 96, 160
     a, sa = _q(torch.randn(m, k, generator=g), 1)
     b, sb = _q(torch.randn(k, n, generator=g), 0)

@@ -63,9 +63,9 @@ def _first_line(exc: BaseException) -> str:
     return line[:160]
 
 
-def bench_size(n: int, elem: str, mode: str, block_size: int, repeats: int) -> list[Row]:
+def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int) -> list[Row]:
     fmt = ELEM_FORMATS[elem]
-    smode = ScaleMode(mode)
+    smode = ScaleMode(scale_mode)
     x = torch.randn(n, n, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     numel = x.numel()
     in_bytes = numel * x.element_size()
@@ -105,10 +105,10 @@ def bench_size(n: int, elem: str, mode: str, block_size: int, repeats: int) -> l
         calc = ScaleCalculationMode(ao_mode)
         return lambda t: to_mx(t, fmt.dtype, block_size, calc)
 
-    rows.append(Row("torchao to_mx eager", _time(lambda: ao_fn(mode)(x), repeats), in_bytes + q_bytes))
+    rows.append(Row("torchao to_mx eager", _time(lambda: ao_fn(scale_mode)(x), repeats), in_bytes + q_bytes))
     # Compiled: in torchao 0.18 on CPU only rceil compiles; floor / ceil / even view uint8 as
     # float8_e8m0fnu inside the graph, which Inductor's C++ backend cannot generate.
-    for ao_mode in dict.fromkeys([mode, "floor"]):
+    for ao_mode in dict.fromkeys([scale_mode, "floor"]):
         name = f"torchao to_mx compiled ({ao_mode})"
         compiled = torch.compile(ao_fn(ao_mode), dynamic=False)
         quiet = logging.getLogger("torch._inductor")

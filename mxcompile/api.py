@@ -56,16 +56,16 @@ def quantize_mx(
     _check_kernel(kernel)
     if kernel == "torch":
         return _quantize_mx_reference(x, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
-    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
     if kernel == "triton":
         from .triton_templates import quantize_mx_triton
 
         _require_triton(x.device)
-        data, scale = quantize_mx_triton(x, axis, fmt.name, mode.value, block_size)
+        data, scale = quantize_mx_triton(x, axis, fmt.name, scale_mode.value, block_size)
     else:
-        data, scale = QUANTIZE(x, axis, fmt.name, mode.value, block_size)
-    return MXTensor(data, e8m0_from_bytes(scale), axis, fmt.name, block_size, mode.value, x.dtype)
+        data, scale = QUANTIZE(x, axis, fmt.name, scale_mode.value, block_size)
+    return MXTensor(data, e8m0_from_bytes(scale), axis, fmt.name, block_size, scale_mode.value, x.dtype)
 
 
 def dequantize_mx(mx: MXTensor, dtype: torch.dtype = torch.float32, *, kernel: str = "auto") -> torch.Tensor:

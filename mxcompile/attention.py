@@ -45,7 +45,7 @@ def mx_attention(
     is_causal: bool = False,
     scale: float | None = None,
     *,
-    mode: str = "both",
+    attention_mode: str = "both",
     forward_elem: str = "e4m3",
     grad_elem: str = "e4m3",
     scale_mode: str = "rceil",
@@ -56,7 +56,7 @@ def mx_attention(
     GQA when k and v have fewer heads than q). Differentiable. key_tile: keys per tile, a
     multiple of block_size (default: default_key_tile(block_size)). Raises ValueError on inputs
     it cannot take, naming the problem."""
-    check_attention_mode(mode)
+    check_attention_mode(attention_mode)
     elem_format(forward_elem, argument="forward_elem")
     elem_format(grad_elem, argument="grad_elem")
     scale_mode_named(scale_mode)
@@ -70,5 +70,6 @@ def mx_attention(
     if reason is not None:
         raise ValueError(reason)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    options = AttentionOptions(is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+    options = AttentionOptions(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile,
+                               grad_elem)
     return _MXAttentionFunction.apply(q, k, v, attn_mask, options)

@@ -95,27 +95,27 @@ def _clamp_byte(biased: int) -> int:
     return min(max(biased, 0), 254)
 
 
-def scale_byte(amax: float, fmt: Fp8Spec, mode: str) -> int:
+def scale_byte(amax: float, fmt: Fp8Spec, scale_mode: str) -> int:
     """The E8M0 scale byte of a block whose largest magnitude is `amax` (an fp32 value)."""
     if math.isnan(amax) or math.isinf(amax):
         return E8M0_NAN
-    if mode == "rceil":
+    if scale_mode == "rceil":
         descale = to_fp32(amax * to_fp32(1.0 / fmt.max_normal))  # product exact in binary64
         if descale == 0.0:
             return 0
         return _clamp_byte(ceil_log2(descale) + 127)
     if amax == 0.0:
         return 0
-    if mode == "floor":
+    if scale_mode == "floor":
         # The fp32 biased exponent field: 0 for fp32 subnormals, else floor(log2) + 127.
         exponent = floor_log2(amax)
         biased = 0 if exponent < F32_MIN_NORMAL_EXP else exponent + 127
         return _clamp_byte(biased - fmt.emax)
-    if mode == "ceil":
+    if scale_mode == "ceil":
         if amax < 2.0**F32_MIN_NORMAL_EXP:
             return 0  # ceil(log2(amax)) + 127 - emax <= 1 - emax < 0
         return _clamp_byte(ceil_log2(amax) + 127 - fmt.emax)
-    if mode == "even":
+    if scale_mode == "even":
         if amax < 2.0**F32_MIN_NORMAL_EXP:
             return 0
         exponent = floor_log2(amax)
@@ -123,7 +123,7 @@ def scale_byte(amax: float, fmt: Fp8Spec, mode: str) -> int:
         # Half-up rounding of amax to mantissa_bits fraction bits (exact in binary64).
         rounded = math.floor(amax / quantum + 0.5) * quantum
         return _clamp_byte(floor_log2(rounded) + 127 - fmt.emax)
-    raise ValueError(f"unknown mode {mode!r}")
+    raise ValueError(f"unknown scale_mode {scale_mode!r}")
 
 
 def round_half_even(value: float) -> int:
@@ -173,12 +173,12 @@ def fp8_decode(byte: int, fmt: Fp8Spec) -> float:
     return sign * (1.0 + mantissa / 2**fmt.mantissa_bits) * 2.0 ** (field - fmt.bias)
 
 
-def quantize_block(values: list[float], fmt: Fp8Spec, mode: str) -> tuple[int, list[int]]:
+def quantize_block(values: list[float], fmt: Fp8Spec, scale_mode: str) -> tuple[int, list[int]]:
     """(scale byte, element bytes) of one block."""
     if any(math.isnan(v) or math.isinf(v) for v in values):
         return E8M0_NAN, [FP8_NAN_BYTE] * len(values)
     amax = max(abs(v) for v in values)
-    byte = scale_byte(amax, fmt, mode)
+    byte = scale_byte(amax, fmt, scale_mode)
     inverse_scale = 2.0 ** (127 - byte)
     return byte, [fp8_encode(v * inverse_scale, fmt) for v in values]
 
@@ -192,14 +192,14 @@ def dequantize_block(byte: int, data: list[int], fmt: Fp8Spec) -> list[float]:
 
 
 def quantize_rows(
-    rows: list[list[float]], fmt: Fp8Spec, mode: str, block_size: int
+    rows: list[list[float]], fmt: Fp8Spec, scale_mode: str, block_size: int
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Quantize each row in blocks of `block_size` consecutive elements: (scales, data)."""
     scales, data = [], []
     for row in rows:
         row_scales, row_data = [], []
         for start in range(0, len(row), block_size):
-            byte, elements = quantize_block(row[start : start + block_size], fmt, mode)
+            byte, elements = quantize_block(row[start : start + block_size], fmt, scale_mode)
             row_scales.append(byte)
             row_data.extend(elements)
         scales.append(row_scales)

@@ -50,9 +50,9 @@ def _every_case(x: torch.Tensor, w: torch.Tensor, kernel: str) -> list:
     """Every element format and scale mode: quantize both operands, dequantize, multiply."""
     out = []
     for elem in sorted(ELEM_FORMATS):
-        for mode in ScaleMode:
-            a = mxcompile.quantize_mx(x, -1, elem=elem, scale_mode=mode.value, kernel=kernel)
-            b = mxcompile.quantize_mx(w, 0, elem=elem, scale_mode=mode.value, kernel=kernel)
+        for scale_mode in ScaleMode:
+            a = mxcompile.quantize_mx(x, -1, elem=elem, scale_mode=scale_mode.value, kernel=kernel)
+            b = mxcompile.quantize_mx(w, 0, elem=elem, scale_mode=scale_mode.value, kernel=kernel)
             out.append((a, b, mxcompile.dequantize_mx(a, kernel=kernel), mxcompile.mx_matmul(a, b, kernel=kernel)))
     return out
 

@@ -100,7 +100,7 @@ def split_blocks(x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
 
 
 def _quantize_blocks(
-    x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
+    x: torch.Tensor, axis: int, fmt: ElemFormat, scale_mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize blocks of `block_size` consecutive elements along `axis` (non-negative).
 
@@ -110,7 +110,7 @@ def _quantize_blocks(
     shape = x.shape
     blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    scale_bytes = scale_bytes_from_amax(amax, fmt, mode)
+    scale_bytes = scale_bytes_from_amax(amax, fmt, scale_mode)
     scaled = blocks * inverse_scale_fp32_from_bytes(scale_bytes)
     # Clamp before the cast: the cast is round-to-nearest-even, the clamp makes it saturating.
     scaled = scaled.clamp(-fmt.max_normal, fmt.max_normal)
@@ -133,11 +133,11 @@ def _quantize_blocks(
 
 
 def quantize_along(
-    x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int
+    x: torch.Tensor, axis: int, fmt: ElemFormat, scale_mode: ScaleMode, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize along any (non-negative) axis; outputs keep x's axis order (and are contiguous
     for a contiguous x)."""
-    return _quantize_blocks(x, axis, fmt, mode, block_size)
+    return _quantize_blocks(x, axis, fmt, scale_mode, block_size)
 
 
 def dequantize_along(
@@ -163,16 +163,16 @@ def quantize_mx(
     The input is never modified. See `ScaleMode` for the four scale rules.
     """
     fmt = elem_format(elem)
-    mode = scale_mode_named(scale_mode)
+    scale_mode = scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
-    data, scale_bytes = quantize_along(x, axis, fmt, mode, block_size)
+    data, scale_bytes = quantize_along(x, axis, fmt, scale_mode, block_size)
     return MXTensor(
         data=data,
         scale=e8m0_from_bytes(scale_bytes),
         axis=axis,
         elem=fmt.name,
         block_size=block_size,
-        scale_mode=mode.value,
+        scale_mode=scale_mode.value,
         orig_dtype=x.dtype,
     )
 

@@ -42,13 +42,13 @@ def _exponent_and_mantissa(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK, bits & F32_MANTISSA_MASK
 
 
-def scale_bytes_from_amax(amax: torch.Tensor, fmt: ElemFormat, mode: ScaleMode) -> torch.Tensor:
+def scale_bytes_from_amax(amax: torch.Tensor, fmt: ElemFormat, scale_mode: ScaleMode) -> torch.Tensor:
     """Biased E8M0 scale bytes (int32 in [0, 255]) for blocks whose absolute maximum is `amax`.
 
     `amax` must be non-negative fp32. A non-finite amax (the block holds a NaN or an Inf) gives
     the NaN byte 0xFF. Results are clamped to the E8M0 range [2**-127, 2**127].
     """
-    if mode is ScaleMode.RCEIL:
+    if scale_mode is ScaleMode.RCEIL:
         descale = amax * _reciprocal_max_fp32(fmt)
         exponent, mantissa = _exponent_and_mantissa(descale.view(torch.int32))
         # Normal descale: ceil(log2) = exponent - bias + (mantissa != 0).
@@ -59,11 +59,11 @@ def scale_bytes_from_amax(amax: torch.Tensor, fmt: ElemFormat, mode: ScaleMode) 
         biased = torch.where(exponent == 0, subnormal, normal)
     else:
         bits = amax.view(torch.int32)
-        if mode is ScaleMode.EVEN:
+        if scale_mode is ScaleMode.EVEN:
             # Round amax half-up to the element's mantissa width; a carry bumps the exponent.
             bits = bits + (1 << (F32_MANTISSA_BITS - fmt.mantissa_bits - 1))
         exponent, mantissa = _exponent_and_mantissa(bits)
-        if mode is ScaleMode.CEIL:
+        if scale_mode is ScaleMode.CEIL:
             exponent = exponent + (mantissa != 0).to(torch.int32)
         # floor(log2(amax)) - emax, re-biased: (exponent - bias) - emax + bias.
         biased = exponent - fmt.emax

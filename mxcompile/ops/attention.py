@@ -1,10 +1,10 @@
 """The MX attention ops: `mxcompile::attention` (forward) and `mxcompile::attention_backward`.
 
-    mxcompile::attention(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode,
-                         block_size, key_tile) -> (out, logsumexp)
-    mxcompile::attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
-                                  forward_elem, grad_elem, scale_mode, block_size, key_tile)
-                                  -> (dq, dk, dv)
+    mxcompile::attention(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem,
+                         scale_mode, block_size, key_tile) -> (out, logsumexp)
+    mxcompile::attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale,
+                                  attention_mode, forward_elem, grad_elem, scale_mode, block_size,
+                                  key_tile) -> (dq, dk, dv)
 
 Semantics and the torch reference: `mxcompile.ops.attention_reference` (key-tiled, online
 fp32 softmax, every GEMM MX along its own contraction axis). This module holds the schemas,
@@ -76,15 +76,15 @@ def attention_op(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
-    mode: str,
+    attention_mode: str,
     forward_elem: str,
     scale_mode: str,
     block_size: int,
     key_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX attention forward: (output, logsumexp). See mxcompile.ops.attention_reference."""
-    options = AttentionOptions.from_forward_args(is_causal, scale, mode, forward_elem, scale_mode, block_size,
-                                                 key_tile)
+    options = AttentionOptions.from_forward_args(is_causal, scale, attention_mode, forward_elem, scale_mode,
+                                                 block_size, key_tile)
     return _attention_forward_torch(q, k, v, attn_mask, options)
 
 
@@ -95,7 +95,8 @@ def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile):
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem, scale_mode, block_size,
+                    key_tile):
     batch, heads, q_len, _ = q.shape
     return (
         _empty_output(q, v.shape[-1]),
@@ -114,7 +115,7 @@ def attention_backward_op(
     lse: torch.Tensor,
     is_causal: bool,
     scale: float,
-    mode: str,
+    attention_mode: str,
     forward_elem: str,
     grad_elem: str,
     scale_mode: str,
@@ -122,8 +123,8 @@ def attention_backward_op(
     key_tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX attention backward: (dq, dk, dv), sequence-major. See mxcompile.ops.attention_reference."""
-    options = AttentionOptions.from_backward_args(is_causal, scale, mode, forward_elem, grad_elem, scale_mode,
-                                                  block_size, key_tile)
+    options = AttentionOptions.from_backward_args(is_causal, scale, attention_mode, forward_elem, grad_elem,
+                                                  scale_mode, block_size, key_tile)
     return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options)
 
 
@@ -134,25 +135,26 @@ def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: A
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode,
+def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, attention_mode,
                              forward_elem, grad_elem, scale_mode, block_size, key_tile):
     return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
 
 
 @attention_op.register_kernel("cuda")
-def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, mode, forward_elem, scale_mode, block_size,
-                           key_tile):
+def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem, scale_mode,
+                           block_size, key_tile):
     """`mxcompile::attention` on CUDA: the Triton forward kernel when
-    `triton_attention_unsupported` says it can run (no mask, equal head counts, mode "both",
-    block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
+    `triton_attention_unsupported` says it can run (no mask, equal head counts, attention_mode
+    "both", block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
     otherwise (logged at DEBUG level with the reason). Q and K are quantized along head_dim and
     V along the keys with the numerics core (`quantize_along`), then the kernel quantizes P per
     key tile in the same format and scale mode. The outputs have the op's layouts (the fake
     implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
     on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
-    options = AttentionOptions.from_forward_args(is_causal, scale, mode, forward_elem, scale_mode, block_size,
-                                                 key_tile)
-    reason = triton_attention_unsupported(q, k, v, attn_mask, is_causal, mode, forward_elem, block_size)
+    options = AttentionOptions.from_forward_args(is_causal, scale, attention_mode, forward_elem, scale_mode,
+                                                 block_size, key_tile)
+    reason = triton_attention_unsupported(q, k, v, attn_mask, is_causal, attention_mode, forward_elem,
+                                          block_size)
     if reason is not None:
         _log.debug("mxcompile::attention: torch implementation, not the Triton kernel: %s", reason)
         return _attention_forward_torch(q, k, v, attn_mask, options)
@@ -171,18 +173,18 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, mode, forward_e
 
 
 @attention_backward_op.register_kernel("cuda")
-def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, mode, forward_elem,
-                            grad_elem, scale_mode, block_size, key_tile):
+def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, attention_mode,
+                            forward_elem, grad_elem, scale_mode, block_size, key_tile):
     """`mxcompile::attention_backward` on CUDA: the Triton backward kernels (delta, dK/dV per
-    key tile, dQ per query tile; every mode) when `triton_attention_unsupported` says they can
+    key tile, dQ per query tile; every attention mode) when `triton_attention_unsupported` says they can
     run, the torch implementation otherwise (logged at DEBUG level with the reason). The
     logsumexp may come from either forward path: both give the natural-log row logsumexp. The
     gradients are sequence-major, as the fake implementation says. Also callable on CPU tensors
     under TRITON_INTERPRET=1 (the tests)."""
-    options = AttentionOptions.from_backward_args(is_causal, scale, mode, forward_elem, grad_elem, scale_mode,
-                                                  block_size, key_tile)
+    options = AttentionOptions.from_backward_args(is_causal, scale, attention_mode, forward_elem, grad_elem,
+                                                  scale_mode, block_size, key_tile)
     reason = triton_attention_unsupported(
-        q, k, v, attn_mask, is_causal, mode, forward_elem, block_size, grad_elem=grad_elem,
+        q, k, v, attn_mask, is_causal, attention_mode, forward_elem, block_size, grad_elem=grad_elem,
         backward_tensors=(grad_out, out, lse),
     )
     if reason is not None:
@@ -191,7 +193,7 @@ def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, s
     from ..triton_templates import mx_attention_backward_triton
 
     grads = mx_attention_backward_triton(
-        q, k, v, out, grad_out, lse, sm_scale=scale, causal=is_causal, mode=mode,
+        q, k, v, out, grad_out, lse, sm_scale=scale, causal=is_causal, attention_mode=attention_mode,
         forward_elem=forward_elem, grad_elem=grad_elem, scale_mode=scale_mode, block_size=block_size,
     )
     return tuple(sequence_major(g) for g in grads)

@@ -25,7 +25,7 @@ def triton_attention_unsupported(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
     is_causal: bool,
-    mode: str,
+    attention_mode: str,
     forward_elem: str,
     block_size: int,
     *,
@@ -40,8 +40,8 @@ def triton_attention_unsupported(
       * an attn_mask: the kernels apply only is_causal;
       * grouped-query attention (fewer key/value heads than query heads): the kernels index k
         and v by the query head;
-      * forward only: mode other than "both" (the forward kernel quantizes both GEMMs; the
-        backward kernels do "both", "qk_only" and "off");
+      * forward only: attention_mode other than "both" (the forward kernel quantizes both
+        GEMMs; the backward kernels do "both", "qk_only" and "off");
       * block_size other than 32 (tl.dot_scaled's MX group);
       * an element format that tl.dot_scaled does not take; a dtype other than fp32/bf16/fp16;
       * value head_dim different from the query's, or head_dim not a power of two >= 32;
@@ -62,8 +62,9 @@ def triton_attention_unsupported(
     if q.shape[1] != k.shape[1] or q.shape[1] != v.shape[1]:
         return (f"grouped-query attention ({q.shape[1]} query heads, {k.shape[1]} key/value heads): "
                 "the Triton attention kernels need equal head counts")
-    if grad_elem is None and mode != "both":
-        return f"mode={mode!r}: the Triton forward kernel has MX in both GEMMs only (mode 'both')"
+    if grad_elem is None and attention_mode != "both":
+        return (f"attention_mode={attention_mode!r}: the Triton forward kernel has MX in both GEMMs only "
+                "(attention_mode 'both')")
     if block_size != TRITON_BLOCK_SIZE:
         return f"block_size={block_size}: tl.dot_scaled's MX group is {TRITON_BLOCK_SIZE}"
     for name, elem in (("forward_elem", forward_elem), ("grad_elem", grad_elem)):

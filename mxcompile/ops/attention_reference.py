@@ -86,10 +86,11 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
-def check_attention_mode(mode: str) -> None:
-    """Raise ValueError unless `mode` is one of ATTENTION_MODES."""
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"mode={mode!r} is not accepted; accepted: {list(ATTENTION_MODES)}")
+def check_attention_mode(attention_mode: str) -> None:
+    """Raise ValueError unless `attention_mode` is one of ATTENTION_MODES."""
+    if attention_mode not in ATTENTION_MODES:
+        accepted = list(ATTENTION_MODES)
+        raise ValueError(f"attention_mode={attention_mode!r} is not accepted; accepted: {accepted}")
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class AttentionOptions:
 
     is_causal: bool
     scale: float
-    mode: str
+    attention_mode: str
     forward_elem: str
     scale_mode: str
     block_size: int
@@ -109,29 +110,30 @@ class AttentionOptions:
     grad_elem: str = DEFAULT_GRAD_ELEM
 
     def __post_init__(self) -> None:
-        check_attention_mode(self.mode)
+        check_attention_mode(self.attention_mode)
 
     @classmethod
-    def from_forward_args(cls, is_causal: bool, scale: float, mode: str, forward_elem: str, scale_mode: str,
-                          block_size: int, key_tile: int, *, grad_elem: str = DEFAULT_GRAD_ELEM) -> AttentionOptions:
+    def from_forward_args(cls, is_causal: bool, scale: float, attention_mode: str, forward_elem: str,
+                          scale_mode: str, block_size: int, key_tile: int, *,
+                          grad_elem: str = DEFAULT_GRAD_ELEM) -> AttentionOptions:
         """From the trailing arguments of `mxcompile::attention`, in schema order."""
-        return cls(is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
 
     @classmethod
-    def from_backward_args(cls, is_causal: bool, scale: float, mode: str, forward_elem: str, grad_elem: str,
-                           scale_mode: str, block_size: int, key_tile: int) -> AttentionOptions:
+    def from_backward_args(cls, is_causal: bool, scale: float, attention_mode: str, forward_elem: str,
+                           grad_elem: str, scale_mode: str, block_size: int, key_tile: int) -> AttentionOptions:
         """From the trailing arguments of `mxcompile::attention_backward`, in schema order."""
-        return cls(is_causal, scale, mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
 
     def forward_args(self) -> tuple:
         """The trailing arguments of `mxcompile::attention`, in schema order."""
-        return (self.is_causal, self.scale, self.mode, self.forward_elem, self.scale_mode, self.block_size,
-                self.key_tile)
+        return (self.is_causal, self.scale, self.attention_mode, self.forward_elem, self.scale_mode,
+                self.block_size, self.key_tile)
 
     def backward_args(self) -> tuple:
         """The trailing arguments of `mxcompile::attention_backward`, in schema order."""
-        return (self.is_causal, self.scale, self.mode, self.forward_elem, self.grad_elem, self.scale_mode,
-                self.block_size, self.key_tile)
+        return (self.is_causal, self.scale, self.attention_mode, self.forward_elem, self.grad_elem,
+                self.scale_mode, self.block_size, self.key_tile)
 
 
 def default_key_tile(block_size: int) -> int:
@@ -140,10 +142,10 @@ def default_key_tile(block_size: int) -> int:
     return max(block_size, DEFAULT_KEY_TILE // block_size * block_size)
 
 
-def _mx_rounded(x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int) -> torch.Tensor:
+def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int) -> torch.Tensor:
     """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees)."""
     axis = axis % x.ndim
-    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(mode), block_size)
+    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
     return dequantize_along(data, scale, axis, block_size, torch.float32)
 
 
@@ -151,10 +153,10 @@ class _Operands:
     """Turns operands into the fp32 values a GEMM multiplies: MX-rounded along an axis when
     that GEMM family is in MX, the plain fp32 values otherwise."""
 
-    def __init__(self, mode: str, scale_mode_name: str, block_size: int) -> None:
-        self.mx_qk = mode in ("both", "qk_only")
-        self.mx_pv = mode == "both"
-        self.scale_mode = scale_mode_name
+    def __init__(self, attention_mode: str, scale_mode: str, block_size: int) -> None:
+        self.mx_qk = attention_mode in ("both", "qk_only")
+        self.mx_pv = attention_mode == "both"
+        self.scale_mode = scale_mode
         self.block_size = block_size
 
     def qk(self, x: torch.Tensor, axis: int, elem: str) -> torch.Tensor:
@@ -235,7 +237,7 @@ def attention_forward_impl(
     fp32 in natural-log units). See the module docstring for the semantics."""
     batch, heads, q_len, _ = q.shape
     kv_heads, k_len, v_width = k.shape[1], k.shape[2], v.shape[-1]
-    ops = _Operands(options.mode, options.scale_mode, options.block_size)
+    ops = _Operands(options.attention_mode, options.scale_mode, options.block_size)
     is_causal, scale, key_tile, forward_elem = options.is_causal, options.scale, options.key_tile, options.forward_elem
     qf = ops.qk(_grouped(q, kv_heads), -1, forward_elem)  # (B, Hkv, G, Tq, d)
     kf = ops.qk(k.unsqueeze(2), -1, forward_elem)  # (B, Hkv, 1, Tk, d)
@@ -281,7 +283,7 @@ def attention_backward_impl(
     P per tile from the saved logsumexp; every GEMM quantizes along its own contraction axis."""
     batch, heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
-    ops = _Operands(options.mode, options.scale_mode, options.block_size)
+    ops = _Operands(options.attention_mode, options.scale_mode, options.block_size)
     is_causal, scale, key_tile = options.is_causal, options.scale, options.key_tile
     forward_elem, grad_elem = options.forward_elem, options.grad_elem
     q5 = _grouped(q, kv_heads)

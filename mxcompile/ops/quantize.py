@@ -50,9 +50,9 @@ def quantize_scratch_bytes(numel: int) -> int:
 
 
 def _quantize(
-    x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(mode), block_size)
+    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
 
 
 @torch.library.custom_op("mxcompile::quantize", mutates_args=())
@@ -123,13 +123,13 @@ def quantize_with_triton(
     from ..triton_templates import _interpreting
     from ..triton_templates.quantize import quantize_launch
 
-    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
     axis = axis % x.ndim
     if axis == x.ndim - 1 or (x.ndim == 2 and axis == 0):
         rowwise = axis == x.ndim - 1
         x2 = x.reshape(-1, x.shape[-1]) if rowwise else x
         row_d, row_s, col_d, col_s = quantize_launch(
-            x2, rowwise=rowwise, colwise=not rowwise, fmt=fmt, mode=mode,
+            x2, rowwise=rowwise, colwise=not rowwise, fmt=fmt, scale_mode=scale_mode,
             block_size=block_size, interpret=_interpreting(),
         )  # fmt: skip
         if rowwise:
@@ -138,7 +138,7 @@ def quantize_with_triton(
         return col_d, col_s
     moved = x.movedim(axis, -1).contiguous()
     row_d, row_s, _, _ = quantize_launch(
-        moved.reshape(-1, moved.shape[-1]), rowwise=True, colwise=False, fmt=fmt, mode=mode,
+        moved.reshape(-1, moved.shape[-1]), rowwise=True, colwise=False, fmt=fmt, scale_mode=scale_mode,
         block_size=block_size, interpret=_interpreting(),
     )  # fmt: skip
     data = row_d.reshape(moved.shape).movedim(-1, axis).contiguous()
@@ -189,13 +189,13 @@ def block_scales_op(
     the dozen small ops works on cache-resident temporaries instead of fresh tensor-sized ones,
     writing into preallocated outputs.
     """
-    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
     dense = amax.contiguous()
     outputs = _block_scales_fake(dense, elem, scale_mode)
     flat_amax, flat_outputs = dense.view(-1), [t.view(-1) for t in outputs]
     for start in range(0, flat_amax.numel(), QUANTIZE_SLICE_ELEMENTS):
         part = flat_amax[start:start + QUANTIZE_SLICE_ELEMENTS]
-        part_bytes = scale_bytes_from_amax(part, fmt, mode)
+        part_bytes = scale_bytes_from_amax(part, fmt, scale_mode)
         values = (part_bytes, scale_fp32_from_bytes(part_bytes), inverse_scale_fp32_from_bytes(part_bytes))
         for out, value in zip(flat_outputs, values):
             out[start:start + QUANTIZE_SLICE_ELEMENTS].copy_(value)
@@ -220,26 +220,26 @@ def _swap_last_two(axis: int, ndim: int) -> int:
     return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis)
 
 
-def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int):
+def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int):
     """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`) and their
     (bytes, scale, inverse scale) from the per-block op."""
     blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    return blocks, block_scales_op(amax, elem, mode)
+    return blocks, block_scales_op(amax, elem, scale_mode)
 
 
 def quantize_for_inductor(
-    x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
     (tests/ops/test_quantize.py), vectorizable element loops (`numerics.rounding`), no
     transposition of a transposed-contiguous input."""
     axis %= x.ndim
     if _is_transposed_contiguous(x):
-        data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, mode, block_size)
+        data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, scale_mode, block_size)
         return data.mT, scales.mT.contiguous()
     fmt = elem_format(elem)
-    blocks, (scale_bytes, _scale, inverse) = _blocks_and_scales(x, axis, elem, mode, block_size)
+    blocks, (scale_bytes, _scale, inverse) = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     values = quantize_blocks(blocks, inverse, fmt)
     # NaN blocks: the positive NaN, whatever NaN the arithmetic produced (fmt.nan_byte).
     values = torch.where(scale_bytes == E8M0_NAN, float("nan"), values)
@@ -248,15 +248,15 @@ def quantize_for_inductor(
 
 
 def fake_quantize_for_inductor(
-    x: torch.Tensor, axis: int, elem: str, mode: str, block_size: int, dtype: torch.dtype
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """dequantize(quantize(x)) as `dtype` without an fp8 round trip (an MX GEMM operand)."""
     axis %= x.ndim
     if _is_transposed_contiguous(x):
         swapped = _swap_last_two(axis, x.ndim)
-        return fake_quantize_for_inductor(x.mT, swapped, elem, mode, block_size, dtype).mT
+        return fake_quantize_for_inductor(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
     fmt = elem_format(elem)
-    blocks, (_bytes, scale, inverse) = _blocks_and_scales(x, axis, elem, mode, block_size)
+    blocks, (_bytes, scale, inverse) = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     return fake_quantize_blocks(blocks, scale, inverse, fmt).to(dtype).reshape(x.shape)
 
 

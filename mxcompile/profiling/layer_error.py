@@ -73,18 +73,18 @@ def _block_view(x: Tensor, axis: int, block_size: int) -> Tensor:
     return moved.reshape(*moved.shape[:-1], moved.shape[-1] // block_size, block_size)
 
 
-def mx_roundtrip(x: Tensor, axis: int, fmt: ElemFormat, mode: str, block_size: int) -> tuple[Tensor, Tensor]:
+def mx_roundtrip(x: Tensor, axis: int, fmt: ElemFormat, scale_mode: str, block_size: int) -> tuple[Tensor, Tensor]:
     """(dequantized values as float64, uint8 scale bytes) of x quantized along `axis`."""
-    data, scales = quantize_along(x.float(), axis, fmt, scale_mode_named(mode), block_size)
+    data, scales = quantize_along(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
     return dequantize_along(data, scales, axis, block_size, torch.float64), scales
 
 
 def block_stats(
-    x: Tensor, axis: int, fmt: ElemFormat, mode: str, block_size: int, *, role: str, axis_name: str
+    x: Tensor, axis: int, fmt: ElemFormat, scale_mode: str, block_size: int, *, role: str, axis_name: str
 ) -> BlockStats:
     """Saturation, flush-to-zero and scale range of x quantized along `axis`."""
     x32 = x.float()
-    dequantized, scales = mx_roundtrip(x32, axis, fmt, mode, block_size)
+    dequantized, scales = mx_roundtrip(x32, axis, fmt, scale_mode, block_size)
     blocks = _block_view(x32, axis, block_size)
     scale_bytes = scales.movedim(axis, -1)
     finite = scale_bytes != E8M0_NAN

@@ -162,7 +162,7 @@ def quantize_mx_triton(
     2-D tensor. `tiles` ({"BLOCK_M", "BLOCK_N"}) overrides the autotuned tile sizes.
     """
     fmt = elem_format(elem)
-    mode = scale_mode_named(scale_mode)
+    scale_mode = scale_mode_named(scale_mode)
     axis = check_quantizable(x, axis, block_size)
     _require(x.device, elem=fmt.name, block_size=block_size)
     if axis == x.ndim - 1:
@@ -176,14 +176,14 @@ def quantize_mx_triton(
             f"axis={axis} of a {x.ndim}-d tensor: the Triton quantize kernel supports the last "
             "axis, or axis 0 of a 2-D tensor; move the axis first (x.movedim) or use kernel='torch'"
         )
-    return _quantize_2d(x2, rowwise, fmt, mode, block_size, cast, tiles, out_shape=x.shape)
+    return _quantize_2d(x2, rowwise, fmt, scale_mode, block_size, cast, tiles, out_shape=x.shape)
 
 
 def _quantize_2d(
     x2: torch.Tensor,
     rowwise: bool,
     fmt: ElemFormat,
-    mode: ScaleMode,
+    scale_mode: ScaleMode,
     block_size: int,
     cast: str,
     tiles: dict[str, int] | None,
@@ -193,7 +193,7 @@ def _quantize_2d(
 
     _check_tiles(tiles, {"BLOCK_N": block_size} if rowwise else {"BLOCK_M": block_size})
     row_d, row_s, col_d, col_s = quantize_launch(
-        x2, rowwise=rowwise, colwise=not rowwise, fmt=fmt, mode=mode, block_size=block_size,
+        x2, rowwise=rowwise, colwise=not rowwise, fmt=fmt, scale_mode=scale_mode, block_size=block_size,
         cast=cast, tiles=tiles, interpret=_interpreting(),
     )  # fmt: skip
     if rowwise:
@@ -216,7 +216,7 @@ def quantize_mx_triton_rowcol(
     from .quantize import quantize_launch
 
     fmt = elem_format(elem)
-    mode = scale_mode_named(scale_mode)
+    scale_mode = scale_mode_named(scale_mode)
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
         raise ValueError("quantize_mx_triton_rowcol needs a 2-D tensor")
     check_quantizable(x, 0, block_size)
@@ -224,7 +224,7 @@ def quantize_mx_triton_rowcol(
     _require(x.device, elem=fmt.name, block_size=block_size)
     _check_tiles(tiles, {"BLOCK_M": block_size, "BLOCK_N": block_size})
     return quantize_launch(  # type: ignore[return-value]
-        x, rowwise=True, colwise=True, fmt=fmt, mode=mode, block_size=block_size, cast=cast,
+        x, rowwise=True, colwise=True, fmt=fmt, scale_mode=scale_mode, block_size=block_size, cast=cast,
         tiles=tiles, interpret=_interpreting(),
     )  # fmt: skip
 

@@ -290,7 +290,7 @@ def mx_attention_reference(
     qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     s_all = _scores(qf, kf, sm_scale * LOG2E, causal)
-    fmt, mode = elem_format(p_elem), scale_mode_named(p_scale_mode)
+    fmt, p_scale_mode = elem_format(p_elem), scale_mode_named(p_scale_mode)
     s_k = s_all.shape[-1]
     m = torch.full(s_all.shape[:-1], float("-inf"), device=s_all.device)
     denom = torch.zeros(s_all.shape[:-1], device=s_all.device)
@@ -302,7 +302,7 @@ def mx_attention_reference(
         p = torch.exp2(s - m_use[..., None])
         alpha = torch.exp2(m - m_use)
         denom = denom * alpha + p.sum(-1)
-        p_data, p_scale = quantize_along(p, p.ndim - 1, fmt, mode, block_size)
+        p_data, p_scale = quantize_along(p, p.ndim - 1, fmt, p_scale_mode, block_size)
         p_q = dequantize_along(p_data, p_scale, p.ndim - 1, block_size, torch.float32)
         acc = acc * alpha[..., None] + p_q @ vf[..., n0 : n0 + block_n, :]
         m = m_new

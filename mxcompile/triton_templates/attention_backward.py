@@ -110,7 +110,7 @@ def mx_attention_backward_triton(
     *,
     sm_scale: float | None = None,
     causal: bool = False,
-    mode: str = "both",
+    attention_mode: str = "both",
     forward_elem: str = "e4m3",
     grad_elem: str = "e4m3",
     scale_mode: str = "rceil",
@@ -123,13 +123,13 @@ def mx_attention_backward_triton(
     q, out, grad_out (..., S_q, D); k, v (..., S_k, D), all fp32/bf16/fp16 (the unquantized
     values: the kernels quantize each operand along the axis each product needs); lse
     (..., S_q) fp32, natural log, from `mx_attention_triton(..., return_lse=True)` or the CPU
-    op. `mode`: "both", "qk_only", "off" (see the module docstring). `tiles` ({"BLOCK_M",
+    op. `attention_mode`: "both", "qk_only", "off" (see the module docstring). `tiles` ({"BLOCK_M",
     "BLOCK_N"}, used by both kernels) overrides autotuning."""
     from . import _check_tiles, _interpreting, _require
 
-    if mode not in ATTENTION_BACKWARD_MODES:
+    if attention_mode not in ATTENTION_BACKWARD_MODES:
         accepted = list(ATTENTION_BACKWARD_MODES)
-        raise ValueError(f"mode={mode!r} is not accepted; use one of {accepted}")
+        raise ValueError(f"attention_mode={attention_mode!r} is not accepted; use one of {accepted}")
     tensors = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in _HIGH_PRECISION or t.ndim < 2:
@@ -173,8 +173,8 @@ def mx_attention_backward_triton(
 
     dq, dk, dv = attention_backward_launch(
         flat(q), flat(k), flat(v), flat(out), flat(grad_out), lse.reshape(-1, s_q), key=key,
-        sm_scale=float(sm_scale), causal=causal, mx_qk=mode in ("both", "qk_only"),
-        mx_pv=mode == "both", block_size=block_size, tiles=tiles, interpret=_interpreting(),
+        sm_scale=float(sm_scale), causal=causal, mx_qk=attention_mode in ("both", "qk_only"),
+        mx_pv=attention_mode == "both", block_size=block_size, tiles=tiles, interpret=_interpreting(),
     )  # fmt: skip
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
@@ -245,10 +245,10 @@ def attention_backward_launch(
     return dq, dk, dv
 
 
-def _mx(x: torch.Tensor, axis: int, elem: str, mode: str) -> torch.Tensor:
+def _mx(x: torch.Tensor, axis: int, elem: str, scale_mode: str) -> torch.Tensor:
     """x in MX along axis (blocks of 32), dequantized exactly to fp32: what a product sees."""
     axis = axis % x.ndim
-    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(mode), 32)
+    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), 32)
     return dequantize_along(data, scale, axis, 32, torch.float32)
 
 
@@ -262,7 +262,7 @@ def mx_attention_backward_reference(
     *,
     sm_scale=None,
     causal=False,
-    mode="both",
+    attention_mode="both",
     forward_elem="e4m3",
     grad_elem="e4m3",
     scale_mode="rceil",
@@ -277,7 +277,7 @@ def mx_attention_backward_reference(
     qf, of, dof = (F.pad(t.float(), (0, 0, 0, pad)) for t in (q, out, grad_out))
     lse2 = F.pad(lse.float(), (0, pad), value=float("inf")).unsqueeze(-1) * LOG2E
     kf, vf = k.float(), v.float()
-    mx_qk, mx_pv = mode in ("both", "qk_only"), mode == "both"
+    mx_qk, mx_pv = attention_mode in ("both", "qk_only"), attention_mode == "both"
 
     def qk(x: torch.Tensor, axis: int, elem: str) -> torch.Tensor:
         return _mx(x, axis, elem, scale_mode) if mx_qk else x

@@ -44,7 +44,7 @@ def quantize_launch(
     rowwise: bool,
     colwise: bool,
     fmt: ElemFormat,
-    mode: ScaleMode,
+    scale_mode: ScaleMode,
     block_size: int,
     cast: str = "software",
     tiles: dict[str, int] | None = None,
@@ -84,7 +84,7 @@ def quantize_launch(
         x.stride(1),
     )
     meta = {
-        "ELEM": fmt.name, "SCALE_MODE": mode.value, "CAST": cast, "X_BF16_BITS": bf16,
+        "ELEM": fmt.name, "SCALE_MODE": scale_mode.value, "CAST": cast, "X_BF16_BITS": bf16,
         "ROWWISE": rowwise, "COLWISE": colwise, "SCALE_BLOCK": block_size,
     }  # fmt: skip
 
@@ -105,7 +105,7 @@ def quantize_launch(
 
 
 def quantize_reference(
-    x: torch.Tensor, axis: int, elem: str = "e4m3", mode: str = "rceil", block_size: int = 32
+    x: torch.Tensor, axis: int, elem: str = "e4m3", scale_mode: str = "rceil", block_size: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of the quantize kernel: the numerics core itself."""
-    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(mode), block_size)
+    return quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)

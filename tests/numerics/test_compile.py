@@ -51,10 +51,10 @@ def _all_modes_both_axes(
     matrix of cases."""
     fmt = ELEM_FORMATS[elem]
     out = []
-    for mode in ScaleMode:
+    for scale_mode in ScaleMode:
         for x, axis in ((x_rows, 1), (x_cols, 0)):
-            data, scale = quantize_along(x, axis, fmt, mode, BLOCK)
-            deq = dequantize_along(data, scale, axis, BLOCK, torch.float32) if mode is dequantize_mode else None
+            data, scale = quantize_along(x, axis, fmt, scale_mode, BLOCK)
+            deq = dequantize_along(data, scale, axis, BLOCK, torch.float32) if scale_mode is dequantize_mode else None
             out.append((data, scale, deq))
     return out
 
@@ -81,18 +81,18 @@ def test_inductor_quantize_bit_identical_to_eager(
     compiled = torch.compile(_all_modes_both_axes, fullgraph=True)(
         x_rows, x_cols, elem, dequantize_mode
     )
-    cases = [(mode.value, axis) for mode in ScaleMode for axis in (1, 0)]
-    for (mode, axis), (ed, es, edq), (cd, cs, cdq) in zip(cases, eager, compiled):
-        what = f"{elem} {mode} axis {axis}"
+    cases = [(scale_mode.value, axis) for scale_mode in ScaleMode for axis in (1, 0)]
+    for (scale_mode, axis), (ed, es, edq), (cd, cs, cdq) in zip(cases, eager, compiled):
+        what = f"{elem} {scale_mode} axis {axis}"
         assert cd.dtype == ed.dtype == ELEM_FORMATS[elem].dtype and cs.dtype == torch.uint8
         assert torch.equal(cs, es), what
         assert torch.equal(cd.view(torch.uint8), ed.view(torch.uint8)), what
-        if mode == dequantize_mode.value:
+        if scale_mode == dequantize_mode.value:
             _assert_same_fp32(cdq, edq, what)
     # And eager itself is right (against the pure-Python reference) on these rows.
     fmt = ref.FP8_SPECS[elem]
-    for mode_index, mode in enumerate(ScaleMode):
-        want_scales, want_data = ref.quantize_rows(x_rows.tolist(), fmt, mode.value, BLOCK)
+    for mode_index, scale_mode in enumerate(ScaleMode):
+        want_scales, want_data = ref.quantize_rows(x_rows.tolist(), fmt, scale_mode.value, BLOCK)
         data, scale, _ = compiled[2 * mode_index]
         assert scale.tolist() == want_scales and data.view(torch.uint8).tolist() == want_data
         data0, scale0, _ = compiled[2 * mode_index + 1]
@@ -159,11 +159,11 @@ _NO_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatc
 
 
 @pytest.mark.parametrize(
-    "dtype,axis,elem,mode", [(torch.bfloat16, -1, "e4m3", "rceil"), (torch.float32, 0, "e5m2", "floor")]
+    "dtype,axis,elem,scale_mode", [(torch.bfloat16, -1, "e4m3", "rceil"), (torch.float32, 0, "e5m2", "floor")]
 )
-def test_opcheck_quantize(dtype: torch.dtype, axis: int, elem: str, mode: str) -> None:
+def test_opcheck_quantize(dtype: torch.dtype, axis: int, elem: str, scale_mode: str) -> None:
     x = _octave_rows(64, dtype).reshape(32, 64)
-    torch.library.opcheck(torch.ops.mxcompile.quantize.default, (x, axis, elem, mode, BLOCK))
+    torch.library.opcheck(torch.ops.mxcompile.quantize.default, (x, axis, elem, scale_mode, BLOCK))
 
 
 def test_opcheck_dequantize_and_mx_mm() -> None:
@@ -198,13 +198,13 @@ SQNR_DB = {
 }
 
 
-@pytest.mark.parametrize("elem,mode", list(SQNR_DB))
-def test_sqnr_gaussian(elem: str, mode: str) -> None:
+@pytest.mark.parametrize("elem,scale_mode", list(SQNR_DB))
+def test_sqnr_gaussian(elem: str, scale_mode: str) -> None:
     x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))
-    q = dequantize_mx(quantize_mx(x, -1, elem=elem, scale_mode=mode), torch.float32)
+    q = dequantize_mx(quantize_mx(x, -1, elem=elem, scale_mode=scale_mode), torch.float32)
     x64, q64 = x.double(), q.double()
     sqnr = float(20 * torch.log10(x64.norm() / (x64 - q64).norm()))
-    assert abs(sqnr - SQNR_DB[(elem, mode)]) <= 0.3, f"{elem} {mode}: {sqnr:.2f} dB"
+    assert abs(sqnr - SQNR_DB[(elem, scale_mode)]) <= 0.3, f"{elem} {scale_mode}: {sqnr:.2f} dB"
     if elem == "e4m3":
         assert sqnr >= 30.0
 

@@ -61,27 +61,27 @@ def _octave_data(dtype: torch.dtype, rows: int = 64, cols: int = 256, seed: int 
     return x.to(dtype)
 
 
-def _torchao(x: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _torchao(x: torch.Tensor, elem: str, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     scale, data = torchao_mx.to_mx(
-        x.contiguous(), ELEM_DTYPES[elem], 32, torchao_config.ScaleCalculationMode(mode)
+        x.contiguous(), ELEM_DTYPES[elem], 32, torchao_config.ScaleCalculationMode(scale_mode)
     )
     return scale.view(torch.uint8), data.view(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("mode", MODES)
-def test_matches_torchao_to_mx(dtype: torch.dtype, elem: str, mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", MODES)
+def test_matches_torchao_to_mx(dtype: torch.dtype, elem: str, scale_mode: str) -> None:
     x = _octave_data(dtype)
     # Along the last axis (torchao's only axis) ...
-    want_scale, want_data = _torchao(x, elem, mode)
+    want_scale, want_data = _torchao(x, elem, scale_mode)
     assert int(want_scale.min()) >= 1, "test data must avoid scale byte 0 (see module doc)"
-    mx = quantize_mx(x, -1, elem=elem, scale_mode=mode)
+    mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode)
     _assert_equal_rows_and_columns(mx.scale.view(torch.uint8), want_scale, "scale")
     _assert_equal_rows_and_columns(mx.data.view(torch.uint8), want_data, "data")
     # ... and along axis 0, against torchao on the transposed tensor.
-    want_scale0, want_data0 = _torchao(x.t(), elem, mode)
-    mx0 = quantize_mx(x, 0, elem=elem, scale_mode=mode)
+    want_scale0, want_data0 = _torchao(x.t(), elem, scale_mode)
+    mx0 = quantize_mx(x, 0, elem=elem, scale_mode=scale_mode)
     _assert_equal_rows_and_columns(mx0.scale.view(torch.uint8), want_scale0.t(), "scale axis 0")
     _assert_equal_rows_and_columns(mx0.data.view(torch.uint8), want_data0.t(), "data axis 0")
 

@@ -39,10 +39,10 @@ def test_unknown_elem(elem) -> None:
         quantize_mx(torch.randn(2, 32), elem=elem)
 
 
-@pytest.mark.parametrize("mode", ["nearest", "RCEIL", "round", ""])
-def test_unknown_scale_mode(mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", ["nearest", "RCEIL", "round", ""])
+def test_unknown_scale_mode(scale_mode: str) -> None:
     with pytest.raises(ValueError, match=r"scale_mode=.*not a supported scale mode.*rceil"):
-        quantize_mx(torch.randn(2, 32), scale_mode=mode)
+        quantize_mx(torch.randn(2, 32), scale_mode=scale_mode)
 
 
 @pytest.mark.parametrize("axis", [2, -3, 7, True, 1.0, None])

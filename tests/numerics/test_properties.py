@@ -73,13 +73,13 @@ def mx_case(
     max_blocks: int = 3,
     finite_below: float | None = None,
     elem: str | None = None,
-    mode: str | None = None,
+    scale_mode: str | None = None,
 ):
-    """(x, elem, mode, block_size) with x of shape (rows, blocks * block_size); elem and mode
+    """(x, elem, scale_mode, block_size) with x of shape (rows, blocks * block_size); elem and scale_mode
     are drawn unless given."""
     dtype = draw(st.sampled_from(INPUT_DTYPES))
     elem = elem or draw(st.sampled_from(["e4m3", "e5m2"]))
-    mode = mode or draw(st.sampled_from(ref.SCALE_MODES))
+    scale_mode = scale_mode or draw(st.sampled_from(ref.SCALE_MODES))
     block_size = draw(st.sampled_from([8, 16, 32]))
     rows = draw(st.integers(1, max_rows))
     cols = block_size * draw(st.integers(1, max_blocks))
@@ -91,7 +91,7 @@ def mx_case(
         values = [v if abs(v) < finite_below else math.copysign(finite_below / 2, v) for v in values]
     x = torch.tensor(values, dtype=torch.float64).reshape(rows, cols).to(dtype)
     assert torch.isfinite(x).all()
-    return x, elem, mode, block_size
+    return x, elem, scale_mode, block_size
 
 
 def _assert_same_values(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -107,22 +107,22 @@ def _bytes(mx) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("mode", ref.SCALE_MODES)
-def test_matches_reference(elem: str, mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", ref.SCALE_MODES)
+def test_matches_reference(elem: str, scale_mode: str) -> None:
     """Differential test against the pure-Python model, bit for bit (more examples than the
     other properties: one run per element format and scale mode)."""
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(mx_case(elem=elem, mode=mode))
+    @given(mx_case(elem=elem, scale_mode=scale_mode))
     def check(case) -> None:
         _check_matches_reference(*case)
 
     check()
 
 
-def _check_matches_reference(x: torch.Tensor, elem: str, mode: str, block_size: int) -> None:
-    mx = quantize_mx(x, -1, elem=elem, scale_mode=mode, block_size=block_size)
-    want = ref.quantize_rows(x.tolist(), ref.FP8_SPECS[elem], mode, block_size)
+def _check_matches_reference(x: torch.Tensor, elem: str, scale_mode: str, block_size: int) -> None:
+    mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
+    want = ref.quantize_rows(x.tolist(), ref.FP8_SPECS[elem], scale_mode, block_size)
     assert _bytes(mx) == want
 
 
@@ -131,9 +131,9 @@ def _check_matches_reference(x: torch.Tensor, elem: str, mode: str, block_size: 
 def test_scales_are_powers_of_two_bracketing_amax(case) -> None:
     """Each scale is a power of two 2**(b-127), and amax / scale lands in the window that
     defines the mode (unless the byte is clamped at 0)."""
-    x, elem, mode, block_size = case
+    x, elem, scale_mode, block_size = case
     fmt = ref.FP8_SPECS[elem]
-    mx = quantize_mx(x, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     scale_bytes = mx.scale.view(torch.uint8).flatten().tolist()
     scale_values = mx.scale.to(torch.float32).flatten().tolist()
     amaxes = x.float().abs().reshape(-1, block_size).amax(dim=1).tolist()
@@ -145,11 +145,11 @@ def test_scales_are_powers_of_two_bracketing_amax(case) -> None:
         if byte == 0 or amax == 0.0:
             continue
         ratio = amax / value  # exact: division by a power of two
-        if mode == "floor":
+        if scale_mode == "floor":
             assert top <= ratio < 2 * top
-        elif mode == "ceil":
+        elif scale_mode == "ceil":
             assert top / 2 < ratio <= top
-        elif mode == "rceil":
+        elif scale_mode == "rceil":
             # The descale is rounded to fp32 before rounding up: allow one fp32 ulp of it
             # (relative 2**-22 where the descale is subnormal, 2**-23 above).
             assert fmt.max_normal / 2 * (1 - 2.0**-22) < ratio <= fmt.max_normal * (1 + 2.0**-22)
@@ -169,9 +169,9 @@ def test_error_bound(case) -> None:
     """|x - q| <= half an element ulp at x's magnitude, in units of the block scale; values
     beyond the element's max occur in floor and even mode (and in rceil within one fp32 ulp of
     the descale) and saturate to +-max."""
-    x, elem, mode, block_size = case
+    x, elem, scale_mode, block_size = case
     fmt = ref.FP8_SPECS[elem]
-    mx = quantize_mx(x, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     scale_bytes = mx.scale.view(torch.uint8).repeat_interleave(block_size, dim=-1).flatten()
     data_bytes = mx.data.view(torch.uint8).flatten().tolist()
     deq = dequantize_mx(mx, torch.float32).flatten().tolist()
@@ -186,8 +186,8 @@ def test_error_bound(case) -> None:
             # product that rounds down onto a power of two saturates by under one fp32 ulp of
             # the descale (relative 2**-22 at worst, where the descale is subnormal); e.g. e5m2,
             # amax 3.370377632266403e-34: exact descale 2**-127 * (1 + 1.1e-7) rounds to 2**-127.
-            rceil_edge = mode == "rceil" and m <= fmt.max_normal * (1 + 2.0**-22)
-            assert mode in ("floor", "even") or rceil_edge, f"{mode} saturated {value}"
+            rceil_edge = scale_mode == "rceil" and m <= fmt.max_normal * (1 + 2.0**-22)
+            assert scale_mode in ("floor", "even") or rceil_edge, f"{scale_mode} saturated {value}"
             assert m < 2.0 ** (fmt.emax + 1)
             assert abs(q) == fmt.max_normal * scale
             continue
@@ -206,17 +206,17 @@ def test_requantizing_dequantized_values(case) -> None:
     half the element max (rceil: 224 for e4m3) or onto a power of two (ceil) gets a scale one
     smaller on the second pass, with every element doubled (see the explicit examples below).
     Inputs stay below 2**127 so that no dequantized value overflows fp32."""
-    x, elem, mode, block_size = case
-    first = quantize_mx(x, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    x, elem, scale_mode, block_size = case
+    first = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     deq = dequantize_mx(first, torch.float32)
-    second = quantize_mx(deq, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    second = quantize_mx(deq, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     _assert_same_values(dequantize_mx(second, torch.float32), deq)
-    if mode in ("floor", "even"):
+    if scale_mode in ("floor", "even"):
         assert _bytes(second) == _bytes(first)
 
 
 @pytest.mark.parametrize(
-    "mode,elem,value,first,second",
+    "scale_mode,elem,value,first,second",
     [
         # 229 -> scale 1, element 224 (RNE); 224 * fp32(1/448) rounds to 0.5 exactly, so the
         # second pass takes scale 1/2 and element 448.
@@ -228,12 +228,12 @@ def test_requantizing_dequantized_values(case) -> None:
     ],
 )
 def test_requantizing_changes_bytes_in_rceil_and_ceil(
-    mode: str, elem: str, value: float, first: tuple[int, int], second: tuple[int, int]
+    scale_mode: str, elem: str, value: float, first: tuple[int, int], second: tuple[int, int]
 ) -> None:
     x = torch.zeros(1, 32)
     x[0, 0] = value
-    mx1 = quantize_mx(x, -1, elem=elem, scale_mode=mode)
-    mx2 = quantize_mx(dequantize_mx(mx1), -1, elem=elem, scale_mode=mode)
+    mx1 = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode)
+    mx2 = quantize_mx(dequantize_mx(mx1), -1, elem=elem, scale_mode=scale_mode)
     assert (mx1.scale.view(torch.uint8).item(), mx1.data.view(torch.uint8)[0, 0].item()) == first
     assert (mx2.scale.view(torch.uint8).item(), mx2.data.view(torch.uint8)[0, 0].item()) == second
     assert torch.equal(dequantize_mx(mx1), dequantize_mx(mx2))
@@ -243,16 +243,16 @@ def test_requantizing_changes_bytes_in_rceil_and_ceil(
 @given(mx_case())
 def test_sign_symmetry(case) -> None:
     """quantize(-x): same scales, every data byte with its sign bit flipped (zeros included)."""
-    x, elem, mode, block_size = case
-    pos = quantize_mx(x, -1, elem=elem, scale_mode=mode, block_size=block_size)
-    neg = quantize_mx(-x, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    x, elem, scale_mode, block_size = case
+    pos = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
+    neg = quantize_mx(-x, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     assert torch.equal(neg.scale.view(torch.uint8), pos.scale.view(torch.uint8))
     assert torch.equal(neg.data.view(torch.uint8), pos.data.view(torch.uint8) ^ 0x80)
 
 
 @st.composite
 def mx_case_3d(draw):
-    x2d, elem, mode, block_size = draw(mx_case(max_rows=2, max_blocks=2))
+    x2d, elem, scale_mode, block_size = draw(mx_case(max_rows=2, max_blocks=2))
     axis = draw(st.sampled_from([0, 1, 2, -1, -2, -3]))
     other = draw(st.integers(1, 3))
     # Shape (3d): put the blocked extent on `axis`, the others small.
@@ -264,16 +264,16 @@ def mx_case_3d(draw):
     values = flat.repeat(math.ceil(numel / flat.numel()))[:numel]
     # Vary magnitudes along every axis so that a wrong blocking axis changes the result.
     scale = torch.logspace(-6, 6, numel, base=2.0).to(x2d.dtype)
-    return (values * scale).reshape(sizes), axis, elem, mode, block_size
+    return (values * scale).reshape(sizes), axis, elem, scale_mode, block_size
 
 
 @SETTINGS
 @given(mx_case_3d())
 def test_any_axis_equals_moving_the_axis_last(case) -> None:
-    x, axis, elem, mode, block_size = case
-    mx = quantize_mx(x, axis, elem=elem, scale_mode=mode, block_size=block_size)
+    x, axis, elem, scale_mode, block_size = case
+    mx = quantize_mx(x, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
     moved = x.movedim(axis, -1).contiguous()
-    want = quantize_mx(moved, -1, elem=elem, scale_mode=mode, block_size=block_size)
+    want = quantize_mx(moved, -1, elem=elem, scale_mode=scale_mode, block_size=block_size)
     assert mx.axis == axis % x.ndim
     assert mx.data.shape == x.shape
     assert torch.equal(mx.data.view(torch.uint8), want.data.view(torch.uint8).movedim(-1, axis))
@@ -284,19 +284,19 @@ def test_any_axis_equals_moving_the_axis_last(case) -> None:
 @SETTINGS
 @given(mx_case(), st.sampled_from([0, 1]))
 def test_input_never_modified(case, axis: int) -> None:
-    x, elem, mode, block_size = case
+    x, elem, scale_mode, block_size = case
     if axis == 0:
         x = x.t().contiguous()  # the blocked extent on axis 0
     bits_dtype = torch.int32 if x.dtype == torch.float32 else torch.int16
     before = x.view(bits_dtype).clone()
-    quantize_mx(x, axis, elem=elem, scale_mode=mode, block_size=block_size)
+    quantize_mx(x, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
     assert torch.equal(x.view(bits_dtype), before)
 
 
 @SETTINGS
 @given(mx_case(), st.sampled_from(["transposed", "strided", "offset"]))
 def test_non_contiguous_input(case, layout: str) -> None:
-    x, elem, mode, block_size = case
+    x, elem, scale_mode, block_size = case
     if layout == "transposed":
         view, axis = x.t().contiguous().t(), -1  # same values, column-major storage
     elif layout == "strided":
@@ -310,9 +310,9 @@ def test_non_contiguous_input(case, layout: str) -> None:
     assert torch.equal(view, x)
     if x.shape[0] > 1:  # a single row is contiguous in any of these layouts
         assert not view.is_contiguous()
-    got = quantize_mx(view, axis, elem=elem, scale_mode=mode, block_size=block_size)
-    want = quantize_mx(x.contiguous(), axis, elem=elem, scale_mode=mode, block_size=block_size)
+    got = quantize_mx(view, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
+    want = quantize_mx(x.contiguous(), axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
     assert _bytes(got) == _bytes(want)
     # Along axis 0 of the transposed storage as well.
-    got0 = quantize_mx(view.t(), 0, elem=elem, scale_mode=mode, block_size=block_size)
+    got0 = quantize_mx(view.t(), 0, elem=elem, scale_mode=scale_mode, block_size=block_size)
     assert torch.equal(got0.data.view(torch.uint8), want.data.view(torch.uint8).t())

@@ -31,12 +31,12 @@ def _tensor(rows: list[list[float]], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_against_reference(
-    x: torch.Tensor, names: list[str], elem: str, mode: str, block_size: int, axis: int
+    x: torch.Tensor, names: list[str], elem: str, scale_mode: str, block_size: int, axis: int
 ) -> None:
     fmt = ref.FP8_SPECS[elem]
     rows = x.tolist() if axis == -1 else x.t().tolist()
-    want_scales, want_data = ref.quantize_rows(rows, fmt, mode, block_size)
-    mx = quantize_mx(x, axis, elem=elem, scale_mode=mode, block_size=block_size)
+    want_scales, want_data = ref.quantize_rows(rows, fmt, scale_mode, block_size)
+    mx = quantize_mx(x, axis, elem=elem, scale_mode=scale_mode, block_size=block_size)
     got_scales = mx.scale.view(torch.uint8)
     got_data = mx.data.view(torch.uint8)
     if axis == 0:
@@ -65,23 +65,23 @@ def _check_against_reference(
 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 @pytest.mark.parametrize("elem", ELEMS)
-@pytest.mark.parametrize("mode", MODES)
-def test_special_values_match_reference(dtype: torch.dtype, elem: str, mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", MODES)
+def test_special_values_match_reference(dtype: torch.dtype, elem: str, scale_mode: str) -> None:
     cases = special_cases(dtype)
     names = [name for name, _ in cases]
     x = _tensor([values for _, values in cases], dtype)
-    _check_against_reference(x, names, elem, mode, BLOCK, axis=-1)
+    _check_against_reference(x, names, elem, scale_mode, BLOCK, axis=-1)
     # The same blocks laid out down the columns, quantized along axis 0.
-    _check_against_reference(x.t().contiguous(), names, elem, mode, BLOCK, axis=0)
+    _check_against_reference(x.t().contiguous(), names, elem, scale_mode, BLOCK, axis=0)
 
 
 @pytest.mark.parametrize("elem", ELEMS)
-@pytest.mark.parametrize("mode", MODES)
-def test_special_values_block_size_8(elem: str, mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", MODES)
+def test_special_values_block_size_8(elem: str, scale_mode: str) -> None:
     """Blocks of 8 split every special block in four: each part gets its own scale."""
     cases = special_cases(torch.float32)
     x = _tensor([values for _, values in cases], torch.float32)
-    _check_against_reference(x, [n for n, _ in cases], elem, mode, 8, axis=-1)
+    _check_against_reference(x, [n for n, _ in cases], elem, scale_mode, 8, axis=-1)
 
 
 def test_negative_nan_input_gives_positive_nan_bytes() -> None:
@@ -94,12 +94,12 @@ def test_negative_nan_input_gives_positive_nan_bytes() -> None:
         x.view(bits_dtype)[0, 3] = neg_nan_bits
         assert torch.isnan(x[0, 3]) and x.view(bits_dtype)[0, 3] < 0
         for elem in ELEMS:
-            for mode in MODES:
-                mx = quantize_mx(x, -1, elem=elem, scale_mode=mode)
+            for scale_mode in MODES:
+                mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode)
                 assert mx.scale.view(torch.uint8)[0].tolist() == [0xFF]
                 assert mx.data.view(torch.uint8)[0].tolist() == [0x7F] * BLOCK
                 # The NaN does not leak into the neighbouring block.
-                want_scale, want_data = ref.quantize_block([1.0] * BLOCK, ref.FP8_SPECS[elem], mode)
+                want_scale, want_data = ref.quantize_block([1.0] * BLOCK, ref.FP8_SPECS[elem], scale_mode)
                 assert mx.scale.view(torch.uint8)[1].tolist() == [want_scale]
                 assert mx.data.view(torch.uint8)[1].tolist() == want_data
 
@@ -179,21 +179,21 @@ for _amax, _expected in (
 
 
 @pytest.mark.parametrize(
-    "name,values,dtype,elem,mode,scale,lead",
+    "name,values,dtype,elem,scale_mode,scale,lead",
     LITERAL_CASES,
     ids=[f"{c[0]}-{c[2]}-{c[3]}-{c[4]}".replace("torch.", "") for c in LITERAL_CASES],
 )
 def test_literal_bytes(
-    name: str, values: list[float], dtype: torch.dtype, elem: str, mode: str, scale: int,
+    name: str, values: list[float], dtype: torch.dtype, elem: str, scale_mode: str, scale: int,
     lead: list[int]
 ) -> None:
     block = pad_block(values)
     want_data = lead + [0x00] * (BLOCK - len(lead))
     # The reference agrees with the hand-worked bytes ...
     x = _tensor([block], dtype)
-    assert ref.quantize_block(x[0].tolist(), ref.FP8_SPECS[elem], mode) == (scale, want_data)
+    assert ref.quantize_block(x[0].tolist(), ref.FP8_SPECS[elem], scale_mode) == (scale, want_data)
     # ... and so does mxcompile.
-    mx = quantize_mx(x, -1, elem=elem, scale_mode=mode)
+    mx = quantize_mx(x, -1, elem=elem, scale_mode=scale_mode)
     assert mx.scale.view(torch.uint8).tolist() == [[scale]]
     assert mx.data.view(torch.uint8).tolist() == [want_data]
 

@@ -1,5 +1,5 @@
 """The CPU MX attention ops (mxcompile/ops/attention.py, attention_reference.py) on their own: exactness of the tiling and
-online softmax (mode "off" against torch's SDPA), agreement with a materialized reference
+online softmax (attention_mode "off" against torch's SDPA), agreement with a materialized reference
 written from the spec, accuracy of MXFP8 against fp32, tile-size independence, memory growth,
 and the registered fake / autograd implementations. No torch.compile here: these run in
 seconds.
@@ -78,11 +78,11 @@ def _case(name: str, seed: int = 0, **shape):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_high_precision_mode_equals_torch_sdpa(name):
-    """mode="off" runs the same tiles, online softmax and backward recomputation without
+    """attention_mode="off" runs the same tiles, online softmax and backward recomputation without
     quantization: it must be fp32 attention, so the tiling itself is exact."""
     (q, k, v, do), kwargs = _case(name, q_len=96, k_len=96)
     ref_out, ref_grads = _run(_sdpa, q, k, v, do, **kwargs)
-    out, grads = _run(mx_attention, q, k, v, do, mode="off", key_tile=32, **kwargs)
+    out, grads = _run(mx_attention, q, k, v, do, attention_mode="off", key_tile=32, **kwargs)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -91,7 +91,7 @@ def test_high_precision_mode_equals_torch_sdpa(name):
 def test_high_precision_mode_cross_attention_lengths():
     q, k, v, do = _qkv(3, q_len=64, k_len=160)
     ref_out, ref_grads = _run(_sdpa, q, k, v, do, is_causal=True)
-    out, grads = _run(mx_attention, q, k, v, do, mode="off", key_tile=64, is_causal=True)
+    out, grads = _run(mx_attention, q, k, v, do, attention_mode="off", key_tile=64, is_causal=True)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -154,7 +154,7 @@ def test_tiled_ops_equal_materialized_reference(name):
 def test_qk_only_quantizes_only_the_score_path():
     q, k, v, do = _qkv(5, q_len=128, k_len=128)
     ref_out, ref_grads = _reference(q, k, v, do, is_causal=True, mx_pv=False)
-    out, grads = _run(mx_attention, q, k, v, do, is_causal=True, mode="qk_only")
+    out, grads = _run(mx_attention, q, k, v, do, is_causal=True, attention_mode="qk_only")
     assert sqnr_db(ref_out, out) >= 60
     for got, want in zip(grads, ref_grads):
         assert sqnr_db(want, got) >= 60
@@ -262,8 +262,8 @@ def test_causal_caveat_a_future_key_in_the_same_block_changes_rounding_only():
     assert torch.equal(unmoved[..., :32, :], base[..., :32, :])
     # Only rounding moved (a 64x larger block maximum keeps the others in e4m3's normal range).
     assert sqnr_db(base[..., 0, :], moved[..., 0, :]) >= 60
-    fp32 = mx_attention(q, k, same_block, is_causal=True, mode="off")
-    torch.testing.assert_close(fp32[..., 0, :], mx_attention(q, k, v, is_causal=True, mode="off")[..., 0, :])
+    fp32 = mx_attention(q, k, same_block, is_causal=True, attention_mode="off")
+    torch.testing.assert_close(fp32[..., 0, :], mx_attention(q, k, v, is_causal=True, attention_mode="off")[..., 0, :])
 
 
 def test_rows_without_any_attended_key_give_zero_output_and_finite_gradients():
@@ -351,8 +351,8 @@ def test_mx_attention_rejects_ineligible_shapes_naming_the_reason(change, messag
 
 def test_mx_attention_rejects_bad_options():
     q, k, v, _ = _qkv(0, q_len=64, k_len=64)
-    with pytest.raises(ValueError, match="mode='fp4'"):
-        mx_attention(q, k, v, mode="fp4")
+    with pytest.raises(ValueError, match="attention_mode='fp4'"):
+        mx_attention(q, k, v, attention_mode="fp4")
     with pytest.raises(ValueError, match="key_tile=48"):
         mx_attention(q, k, v, key_tile=48)
     with pytest.raises(ValueError, match="either attn_mask or is_causal"):

@@ -43,8 +43,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
 
 
-def _forward(q, k, v, mask, causal, mode="both", key_tile=32):
-    return (q, k, v, mask, causal, 1 / math.sqrt(q.shape[-1]), mode, "e4m3", "rceil", 32, key_tile)
+def _forward(q, k, v, mask, causal, attention_mode="both", key_tile=32):
+    return (q, k, v, mask, causal, 1 / math.sqrt(q.shape[-1]), attention_mode, "e4m3", "rceil", 32, key_tile)
 
 
 @pytest.mark.parametrize(
@@ -79,20 +79,20 @@ def test_forward_triton_path_bf16():
 
 
 @pytest.mark.parametrize(
-    "causal,mode,grad_elem",
+    "causal,attention_mode,grad_elem",
     [(False, "both", "e4m3"), (True, "both", "e5m2"), (True, "qk_only", "e4m3"), (False, "off", "e4m3")],
     ids=["full", "causal-e5m2", "causal-qk_only", "off"],
 )
-def test_backward_triton_path_equals_the_cpu_op(causal, mode, grad_elem):
+def test_backward_triton_path_equals_the_cpu_op(causal, attention_mode, grad_elem):
     q, k, v, do = _tensors(seed=2)
-    forward = _forward(q, k, v, None, causal, mode=mode)
+    forward = _forward(q, k, v, None, causal, attention_mode=attention_mode)
     # The forward of modes "qk_only" and "off" falls back to the torch implementation; the
     # backward kernels take its logsumexp all the same.
     out, lse = attention_forward_cuda(*forward)
     options = forward[4:8]
     args = (do, q, k, v, None, out, lse, *options, grad_elem, "rceil", 32, 32)
     assert triton_attention_unsupported(
-        q, k, v, None, causal, mode, "e4m3", 32, grad_elem=grad_elem, backward_tensors=(do, out, lse)
+        q, k, v, None, causal, attention_mode, "e4m3", 32, grad_elem=grad_elem, backward_tensors=(do, out, lse)
     ) is None
     grads = attention_backward_cuda(*args)
     refs = torch.ops.mxcompile.attention_backward(*args)
@@ -114,7 +114,7 @@ def _forbid_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ("mask", "attn_mask"),
         ("gqa", "grouped-query"),
-        ("qk_only", "mode='qk_only'"),
+        ("qk_only", "attention_mode='qk_only'"),
         ("causal-rectangular", "top-left aligned"),
         ("head_dim-96", "power of two"),
     ],
@@ -126,16 +126,16 @@ def test_unsupported_calls_fall_back_to_the_torch_implementation(monkeypatch, ca
     width = 96 if case == "head_dim-96" else 32
     q, k, v, do = _tensors(kv_heads=kv_heads, k_len=k_len, width=width, seed=3)
     mask = torch.rand(64, k_len, generator=torch.Generator().manual_seed(0)) > 0.3 if case == "mask" else None
-    mode = "qk_only" if case == "qk_only" else "both"
+    attention_mode = "qk_only" if case == "qk_only" else "both"
     causal = case.startswith("causal")
-    why = triton_attention_unsupported(q, k, v, mask, causal, mode, "e4m3", 32)
+    why = triton_attention_unsupported(q, k, v, mask, causal, attention_mode, "e4m3", 32)
     assert why is not None and reason in why
-    args = _forward(q, k, v, mask, causal, mode=mode)
+    args = _forward(q, k, v, mask, causal, attention_mode=attention_mode)
     out, lse = attention_forward_cuda(*args)
     ref_out, ref_lse = torch.ops.mxcompile.attention(*args)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     if case == "qk_only":
-        return  # the backward kernels support mode "qk_only" (tested above)
+        return  # the backward kernels support attention_mode "qk_only" (tested above)
     backward = (do, q, k, v, mask, out, lse, *args[4:8], "e4m3", "rceil", 32, 32)
     for got, ref in zip(attention_backward_cuda(*backward), torch.ops.mxcompile.attention_backward(*backward)):
         assert torch.equal(got, ref) and got.stride() == ref.stride()
@@ -150,17 +150,17 @@ def test_selection_on_fake_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None
         mask = torch.empty(128, 128, device="cuda", dtype=torch.bool)
         lse = torch.empty(2, 4, 128, device="cuda")
 
-    def why(*tensors, mask=None, causal=True, mode="both", **kwargs):
-        return triton_attention_unsupported(*tensors, mask, causal, mode, "e4m3", 32,
+    def why(*tensors, mask=None, causal=True, attention_mode="both", **kwargs):
+        return triton_attention_unsupported(*tensors, mask, causal, attention_mode, "e4m3", 32,
                                             check_device=False, **kwargs)
 
     # Plain causal or full attention: the Triton kernels, forward and backward (any mode).
     assert why(q, k, v) is None and why(q, k, v, causal=False) is None
-    assert why(q, k, v, mode="qk_only", grad_elem="e4m3", backward_tensors=(q, q, lse)) is None
+    assert why(q, k, v, attention_mode="qk_only", grad_elem="e4m3", backward_tensors=(q, q, lse)) is None
     # The rest: the torch implementation, with the reason.
     assert "attn_mask" in why(q, k, v, mask=mask, causal=False)
     assert "grouped-query" in why(q, kv, kv)
-    assert "mode='off'" in why(q, k, v, mode="off")
+    assert "attention_mode='off'" in why(q, k, v, attention_mode="off")
     # Checked against the device too: without a GPU, triton_available says why not.
     if not torch.cuda.is_available():
         reason = triton_attention_unsupported(q, k, v, None, True, "both", "e4m3", 32)

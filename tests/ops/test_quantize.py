@@ -38,16 +38,16 @@ def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
     x = _special_data().to(dtype)
     compiled = torch.compile(quantize_for_inductor, dynamic=False)
     fake_quantize = torch.compile(fake_quantize_for_inductor, dynamic=False)
-    for mode in ScaleMode:
+    for scale_mode in ScaleMode:
         for axis in (0, 1):
-            want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], mode, 32)
-            got_data, got_scale = compiled(x, axis, elem, mode.value, 32)
-            assert _same_bits(got_scale, want_scale), (mode, axis)
-            assert _same_bits(got_data, want_data), (mode, axis)
+            want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
+            got_data, got_scale = compiled(x, axis, elem, scale_mode.value, 32)
+            assert _same_bits(got_scale, want_scale), (scale_mode, axis)
+            assert _same_bits(got_data, want_data), (scale_mode, axis)
             want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
-            got = fake_quantize(x, axis, elem, mode.value, 32, torch.float32)
+            got = fake_quantize(x, axis, elem, scale_mode.value, 32, torch.float32)
             same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-            assert same.all(), (mode, axis)
+            assert same.all(), (scale_mode, axis)
 
 
 def test_ops_fake_implementations_match_the_real_ones():
@@ -90,11 +90,11 @@ def test_block_scales_op_matches_the_numerics_core_without_compiling():
     graphs = counters["stats"]["unique_graphs"]
     for a in (amax, amax.t(), amax[:7, :3]):
         for elem in sorted(ELEM_FORMATS):
-            for mode in ScaleMode:
-                got = block_scales_op(a, elem, mode.value)
-                want_bytes = scale_bytes_from_amax(a, ELEM_FORMATS[elem], mode)
+            for scale_mode in ScaleMode:
+                got = block_scales_op(a, elem, scale_mode.value)
+                want_bytes = scale_bytes_from_amax(a, ELEM_FORMATS[elem], scale_mode)
                 want = (want_bytes.to(torch.uint8), scale_fp32_from_bytes(want_bytes),
                         inverse_scale_fp32_from_bytes(want_bytes))
                 assert [t.stride() for t in got] == [torch.empty_like(a).stride()] * 3
-                assert all(_same_bits(x, y) for x, y in zip(got, want)), (elem, mode)
+                assert all(_same_bits(x, y) for x, y in zip(got, want)), (elem, scale_mode)
     assert counters["stats"]["unique_graphs"] == graphs

@@ -42,7 +42,7 @@ def test_launch_specialisation_is_a_real_launchs() -> None:
     capture = _Capture()
     for t in (x, x_t):
         quantize_launch(
-            t, rowwise=True, colwise=False, fmt=E4M3, mode=ScaleMode.RCEIL, block_size=32,
+            t, rowwise=True, colwise=False, fmt=E4M3, scale_mode=ScaleMode.RCEIL, block_size=32,
             tiles={"BLOCK_M": 64, "BLOCK_N": 64}, interpret=False, wrap=capture,
         )  # fmt: skip
     signatures = []
@@ -67,7 +67,7 @@ def test_quantize_compiles_sm90(cast: str) -> None:
             rowwise=True,
             colwise=True,
             fmt=E4M3,
-            mode=ScaleMode.RCEIL,
+            scale_mode=ScaleMode.RCEIL,
             block_size=32,
             cast=cast,
             tiles={"BLOCK_M": 64, "BLOCK_N": 64},

@@ -40,7 +40,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
 
 
 @pytest.mark.parametrize(
-    "bh,s_q,s_k,d,causal,mode,grad_elem,tiles",
+    "bh,s_q,s_k,d,causal,attention_mode,grad_elem,tiles",
     [
         (2, 64, 64, 32, False, "both", "e4m3", TILES),
         (2, 64, 64, 64, True, "both", "e5m2", TILES),
@@ -51,16 +51,16 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
     ids=["full", "causal-e5m2-d64", "ragged-queries", "causal-qk_only", "off"],
 )
 def test_backward_matches_references(
-    bh: int, s_q: int, s_k: int, d: int, causal: bool, mode: str, grad_elem: str, tiles: dict
+    bh: int, s_q: int, s_k: int, d: int, causal: bool, attention_mode: str, grad_elem: str, tiles: dict
 ) -> None:
     q, k, v, do = _tensors((bh, s_q, d), (bh, s_k, d), (bh, s_k, d), (bh, s_q, d))
     q = q * torch.logspace(-2, 2, d, base=2.0)  # columns over 4 binades
     v = v * torch.logspace(-3, 3, s_k, base=2.0)[:, None]  # keys over 6 binades
     scale = 1.0 / math.sqrt(d)
-    opts = dict(causal=causal, mode=mode, grad_elem=grad_elem)
+    opts = dict(causal=causal, attention_mode=attention_mode, grad_elem=grad_elem)
     if s_q % 32 == 0:  # the CPU op's forward gives out and lse; its backward is the definition
         q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, do))
-        fixed = (causal, scale, mode, "e4m3")
+        fixed = (causal, scale, attention_mode, "e4m3")
         options = AttentionOptions(*fixed, "rceil", 32, 32, grad_elem=grad_elem)
         out, lse = attention_forward_impl(q4, k4, v4, None, options)
         cpu = attention_backward_impl(do4, q4, k4, v4, None, out, lse, options)
@@ -128,8 +128,8 @@ def test_backward_errors() -> None:
     lse = torch.zeros(1, 32)
     with pytest.raises(ValueError, match="causal=True needs"):
         mx_attention_backward_triton(q, k, v, q, do, lse, causal=True)
-    with pytest.raises(ValueError, match="mode="):
-        mx_attention_backward_triton(q, k, v, q, do, lse, mode="pv_only")
+    with pytest.raises(ValueError, match="attention_mode="):
+        mx_attention_backward_triton(q, k, v, q, do, lse, attention_mode="pv_only")
     with pytest.raises(ValueError, match="lse must be"):
         mx_attention_backward_triton(q, k, v, q, do, lse[:, :16])
     with pytest.raises(ValueError, match="S_k=48"):

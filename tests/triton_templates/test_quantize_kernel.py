@@ -75,13 +75,13 @@ def _assert_same(
 
 
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("mode", MODES)
-def test_rowcol_bit_exact_special_values(elem: str, mode: str) -> None:
+@pytest.mark.parametrize("scale_mode", MODES)
+def test_rowcol_bit_exact_special_values(elem: str, scale_mode: str) -> None:
     x = _special_values_tensor()
-    fmt, smode = elem_format(elem), ScaleMode(mode)
-    rd, rs, cd, cs = quantize_mx_triton_rowcol(x, elem, mode, 32, tiles=TILES)
-    _assert_same((rd, rs), quantize_along(x, 1, fmt, smode, 32), f"row-wise {elem} {mode}")
-    _assert_same((cd, cs), quantize_along(x, 0, fmt, smode, 32), f"column-wise {elem} {mode}")
+    fmt, smode = elem_format(elem), ScaleMode(scale_mode)
+    rd, rs, cd, cs = quantize_mx_triton_rowcol(x, elem, scale_mode, 32, tiles=TILES)
+    _assert_same((rd, rs), quantize_along(x, 1, fmt, smode, 32), f"row-wise {elem} {scale_mode}")
+    _assert_same((cd, cs), quantize_along(x, 0, fmt, smode, 32), f"column-wise {elem} {scale_mode}")
     assert rs[0, 0] == 0xFF and rs[0, 1] == 0xFF and (_bytes(rd[0, :64]) == 0x7F).all()
 
 
