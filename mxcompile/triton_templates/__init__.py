@@ -127,8 +127,8 @@ def _require(
 
 def rendered_sources() -> dict[str, str]:
     """Sources of the kernel modules loaded in this process ("<module>" -> source); empty when
-    no Triton kernel ran (e.g. CPU without TRITON_INTERPRET). The name is the one
-    `mxcompile inspect --kernels` looks for (nothing is rendered: the kernels are plain files)."""
+    no Triton kernel ran (e.g. CPU without TRITON_INTERPRET). Shown by `mxcompile inspect
+    --kernels` (nothing is rendered: the kernels are plain files)."""
     from .loader import loaded_kernel_sources
 
     return loaded_kernel_sources()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -120,6 +119,9 @@ def test_kernel_paths_report_the_library_decisions(monkeypatch: pytest.MonkeyPat
 
 
 def test_minimum_versions_match_pyproject() -> None:
+    # tomllib is in the standard library from Python 3.11; pyproject allows 3.10, where reading
+    # TOML would need a new dependency, so this file check runs on 3.11+ only.
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (Python 3.11+) reads pyproject.toml")
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     requirements = project["dependencies"] + project["optional-dependencies"]["dev"]
     assert f"torch>={doctor._dotted(doctor.MIN_TORCH)}" in requirements

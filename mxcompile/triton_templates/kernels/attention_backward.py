@@ -77,6 +77,29 @@ def _scores_and_probs(
 
 
 @triton.jit
+def _program_rows(S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's tile of BLOCK rows out of S (grid axis 0) and its head (grid axis 1), as
+    64-bit offsets: (tile index, head, row offsets, head_dim offsets, row mask)."""
+    pid = tl.program_id(axis=0).to(tl.int64)
+    head = tl.program_id(axis=1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    return pid, head, offs, tl.arange(0, HEAD_DIM), offs < S
+
+
+@triton.jit
+def _lhs_operand(
+    x, MX: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, CAST: tl.constexpr,
+):  # fmt: skip
+    """fp32 x (ROWS, HEAD_DIM) as the left operand of a product over head_dim (`_dot_nt`): MX
+    (data, scales along head_dim) with MX, else (x, None)."""
+    lhs, scale = x, None
+    if MX:
+        lhs, scale = mx_lhs(x, ROWS, HEAD_DIM, SCALE_BLOCK, ELEM, SCALE_MODE, CAST)
+    return lhs, scale
+
+
+@triton.jit
 def _load_fp32(ptr, offs_rows, stride_rows, offs_d, stride_d, mask_rows):
     """A (rows, HEAD_DIM) tile of a high-precision input in fp32; masked rows read 0."""
     return load_rows(ptr, offs_rows, stride_rows, offs_d, stride_d, mask_rows, 0.0).to(tl.float32)
@@ -104,11 +127,7 @@ def mx_attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # delta = rowsum(dO * O) in fp32, the D of dS = P * (dP - D).
-    pid_m = tl.program_id(axis=0).to(tl.int64)
-    head = tl.program_id(axis=1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < S_Q
+    _pid_m, head, offs_m, offs_d, mask_m = _program_rows(S_Q, BLOCK_M, HEAD_DIM)
     o = _load_fp32(o_ptr + head * stride_oh, offs_m, stride_om, offs_d, stride_od, mask_m)
     do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
     delta = tl.reduce(o * do, 1, sum_combine)
@@ -140,23 +159,15 @@ def mx_attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,  # queries per step, a multiple of SCALE_BLOCK
     BLOCK_N: tl.constexpr,  # keys per program, a multiple of SCALE_BLOCK
 ):  # fmt: skip
-    # Phase 1: this program's key tile and head; 64-bit offsets.
-    pid_n = tl.program_id(axis=0).to(tl.int64)
-    head = tl.program_id(axis=1).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_n = offs_n < S_K
+    # Phase 1: this program's key tile and head.
+    pid_n, head, offs_n, offs_d, mask_n = _program_rows(S_K, BLOCK_N, HEAD_DIM)
 
     # Phase 2: load K and V once; both along head_dim, the contraction axis of
     # S^T = K Q^T and dP^T = V dO^T (the transposed products keep keys as rows).
     k = _load_fp32(k_ptr + head * stride_kh, offs_n, stride_kn, offs_d, stride_kd, mask_n)
     v = _load_fp32(v_ptr + head * stride_vh, offs_n, stride_vn, offs_d, stride_vd, mask_n)
-    k_lhs, k_scale = k, None
-    if MX_QK:
-        k_lhs, k_scale = mx_lhs(k, BLOCK_N, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
-    v_lhs, v_scale = v, None
-    if MX_PV:
-        v_lhs, v_scale = mx_lhs(v, BLOCK_N, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
+    k_lhs, k_scale = _lhs_operand(k, MX_QK, BLOCK_N, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
+    v_lhs, v_scale = _lhs_operand(v, MX_PV, BLOCK_N, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
     dk = tl.full((BLOCK_N, HEAD_DIM), 0.0, tl.float32)
     dv = tl.full((BLOCK_N, HEAD_DIM), 0.0, tl.float32)
 
@@ -232,12 +243,8 @@ def mx_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,  # queries per program, a multiple of SCALE_BLOCK
     BLOCK_N: tl.constexpr,  # keys per step, a multiple of SCALE_BLOCK
 ):  # fmt: skip
-    # Phase 1: this program's query tile and head; 64-bit offsets.
-    pid_m = tl.program_id(axis=0).to(tl.int64)
-    head = tl.program_id(axis=1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < S_Q
+    # Phase 1: this program's query tile and head.
+    pid_m, head, offs_m, offs_d, mask_m = _program_rows(S_Q, BLOCK_M, HEAD_DIM)
 
     # Phase 2: load Q, dO and the row statistics once; Q and dO along head_dim, the
     # contraction axis of S = Q K^T and dP = dO V^T.
@@ -246,12 +253,10 @@ def mx_attention_bwd_dq_kernel(
     lse2, delta = _load_row_stats(
         lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh, stride_em
     )
-    q_lhs, q_scale = q, None
-    if MX_QK:
-        q_lhs, q_scale = mx_lhs(q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
-    do_lhs, do_scale = do, None
-    if MX_PV:
-        do_lhs, do_scale = mx_lhs(do, BLOCK_M, HEAD_DIM, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, CAST)
+    q_lhs, q_scale = _lhs_operand(q, MX_QK, BLOCK_M, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)
+    do_lhs, do_scale = _lhs_operand(
+        do, MX_PV, BLOCK_M, HEAD_DIM, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, CAST
+    )
     dq = tl.full((BLOCK_M, HEAD_DIM), 0.0, tl.float32)
 
     # Phase 3: walk over the key tiles these queries see (causal: up to the diagonal).

@@ -56,6 +56,7 @@ LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _FORMATS = {fmt.name: fmt for fmt in (formats.E4M3, formats.E5M2)}
 _EXPONENT_BIAS = {name: exponent_bias(fmt) for name, fmt in _FORMATS.items()}
 _FP8_TYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+_SCALE_MODES = tuple(scale_mode.value for scale_mode in formats.ScaleMode)
 
 
 @triton.constexpr_function
@@ -126,35 +127,39 @@ max_combine = getattr(tl.standard, "_elementwise_max", None) or _max_combine_fal
 sum_combine = getattr(tl.standard, "_sum_combine", None) or _sum_combine_fallback
 
 
+@triton.constexpr_function
+def is_scale_mode(name):
+    return name in _SCALE_MODES
+
+
+@triton.jit
+def _exponent_and_mantissa(bits):
+    """The biased exponent and the mantissa fields of fp32 bit patterns."""
+    return (bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK, bits & F32_MANTISSA_MASK
+
+
 @triton.jit
 def scale_bytes(amax, nonfinite, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):
     """E8M0 scale byte (int32) of each block from its fp32 amax; E8M0_NAN where the block holds
     a NaN or an Inf (`nonfinite`), else clamped to [0, E8M0_MAX_BYTE]."""
-    amax_bits = amax.to(tl.int32, bitcast=True)
+    tl.static_assert(is_scale_mode(SCALE_MODE), "SCALE_MODE: rceil, floor, ceil or even")
     if SCALE_MODE == "rceil":
         # rceil: descale = amax * fp32(1/max), rounded up to a power of two.
         descale_bits = (amax * elem_reciprocal_max(ELEM)).to(tl.int32, bitcast=True)
-        exponent = (descale_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
-        mantissa = descale_bits & F32_MANTISSA_MASK
+        exponent, mantissa = _exponent_and_mantissa(descale_bits)
         normal = exponent + (mantissa != 0).to(tl.int32)
         # A subnormal descale rounds up to 2**-126 (byte 1) only when it exceeds 2**-127.
         subnormal = (mantissa > F32_SMALLEST_SCALE_BITS).to(tl.int32)
         biased = tl.where(exponent == 0, subnormal, normal)
-    elif SCALE_MODE == "floor":
-        # floor: floor(log2(amax)) - emax.
-        exponent = (amax_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
-        biased = exponent - elem_emax(ELEM)
-    elif SCALE_MODE == "ceil":
-        # ceil: ceil(log2(amax)) - emax.
-        exponent = (amax_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
-        mantissa = amax_bits & F32_MANTISSA_MASK
-        biased = exponent + (mantissa != 0).to(tl.int32) - elem_emax(ELEM)
     else:
-        tl.static_assert(SCALE_MODE == "even", "SCALE_MODE: rceil, floor, ceil or even")
-        # even: round amax half-up to the element's mantissa width (a carry bumps the
-        # exponent), then floor(log2) - emax.
-        rounded_bits = amax_bits + even_rounding_increment(ELEM)
-        exponent = (rounded_bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK
+        # floor, ceil, even: floor(log2(amax)) - emax, where even first rounds amax half-up to
+        # the element's mantissa width (a carry bumps the exponent) and ceil rounds log2 up.
+        bits = amax.to(tl.int32, bitcast=True)
+        if SCALE_MODE == "even":
+            bits = bits + even_rounding_increment(ELEM)
+        exponent, mantissa = _exponent_and_mantissa(bits)
+        if SCALE_MODE == "ceil":
+            exponent = exponent + (mantissa != 0).to(tl.int32)
         biased = exponent - elem_emax(ELEM)
     biased = tl.minimum(tl.maximum(biased, 0), E8M0_MAX_BYTE)
     return tl.where(nonfinite, E8M0_NAN, biased)
