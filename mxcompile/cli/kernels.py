@@ -1,7 +1,7 @@
 """`mxcompile inspect --kernels`: the Triton kernel sources, when mxcompile uses any.
 
 The CPU lowering compiles MX ops through Inductor's C++ code generation, so no Triton kernel
-runs there. `mxcompile.triton_templates.rendered_sources` lists the kernel modules loaded in
+runs there. `mxcompile.triton_templates.loaded_kernel_sources` lists the kernel modules loaded in
 this process (their plain `.py` files); when it lists any, their sources are shown.
 """
 
@@ -12,17 +12,17 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-from ..triton_templates import rendered_sources
+from ..triton_templates import loaded_kernel_sources
 from .views import SYNTAX_THEME
 
 NO_KERNELS_ON_CPU = (
     "No Triton kernels are used on CPU: mxcompile lowers MX quantize and MX GEMM through "
-    "Inductor's C++ code generation here, so there is no rendered kernel source to show."
+    "Inductor's C++ code generation here, so there is no Triton kernel source to show."
 )
 
 
 def kernels_view() -> RenderableType:
-    sources = rendered_sources()
+    sources = loaded_kernel_sources()
     if not sources:
         return Text(NO_KERNELS_ON_CPU)
     return Group(*(

@@ -43,6 +43,7 @@ import torch
 
 from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode_named
 from ..numerics.quantize import check_quantizable
+from .loader import loaded_kernel_sources
 
 __all__ = [
     "mx_attention_backward_triton",
@@ -51,7 +52,7 @@ __all__ = [
     "quantize_mx_triton",
     "quantize_mx_triton_rowcol",
     "triton_available",
-    "rendered_sources",
+    "loaded_kernel_sources",
 ]
 
 # Triton's fp8 types: E4M3 needs sm89+ (Ada/Hopper); tl.dot_scaled is native on sm100+.
@@ -123,15 +124,6 @@ def _require(
     if not ok:
         raise RuntimeError(f"the MX Triton kernels cannot run: {reason}")
 
-
-
-def rendered_sources() -> dict[str, str]:
-    """Sources of the kernel modules loaded in this process ("<module>" -> source); empty when
-    no Triton kernel ran (e.g. CPU without TRITON_INTERPRET). Shown by `mxcompile inspect
-    --kernels` (nothing is rendered: the kernels are plain files)."""
-    from .loader import loaded_kernel_sources
-
-    return loaded_kernel_sources()
 
 
 def _check_tiles(tiles: dict[str, int] | None, needs: dict[str, int]) -> None:

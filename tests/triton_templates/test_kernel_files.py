@@ -57,7 +57,7 @@ def test_loader_follows_triton_interpret_and_rejects_unknown_modules() -> None:
 
 def test_kernel_sources_listed_for_inspect_are_the_files() -> None:
     kernel_module("quantize", interpret=True)
-    sources = tt.rendered_sources()
+    sources = tt.loaded_kernel_sources()
     assert set(sources) == set(KERNEL_MODULES)
     for name, source in sources.items():
         assert source == (KERNELS_DIR / f"{name}.py").read_text()
