@@ -4,8 +4,9 @@ torch's AOTAutograd cache keys a compiled graph by the dynamo graph, its inputs 
 configs; it cannot see the mxfp8 pass pipeline, which runs inside AOTAutograd and changes what
 is compiled. So the backend compiles under `torch.compiler.config.cache_key_tag` (documented
 as a tag included in every torch.compile cache key) extended by `cache_tag(config)`: a digest
-of the MXConfig and of mxcompile's own source files. A different config, or an edited
-mxcompile (a pass, an op's definition), gives a different key and never a stale entry.
+of the MXConfig, of mxcompile's own source files and of the passes the pipeline runs. A
+different config, an edited mxcompile (a pass, an op's definition) or a replaced pass gives a
+different key and never a stale entry.
 
 A cache hit skips the passes, so their decisions (the graph's `Report`) would be lost. The
 backend stores each compiled graph's report next to torch's cache entries, under a key of the
@@ -27,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+from . import passes
 from .config import MXConfig
 from .report import Report
 
@@ -48,9 +50,16 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def _pipeline() -> list[str]:
+    """The passes the pipeline runs now, by qualified name (a replaced pass changes the key)."""
+    stages = (*passes.PIPELINE, passes.PARTITION_STAGE)
+    return [f"{name}={fn.__module__}.{fn.__qualname__}" for name, fn in stages]
+
+
 def cache_tag(config: MXConfig) -> str:
-    """The part of the cache key that mxfp8 adds: config and mxcompile's sources."""
-    payload = json.dumps({"config": config.to_dict(), "source": source_digest()}, sort_keys=True)
+    """The part of the cache key that mxfp8 adds: config, mxcompile's sources, the passes."""
+    payload = json.dumps({"config": config.to_dict(), "source": source_digest(), "pipeline": _pipeline()},
+                         sort_keys=True)
     return TAG_PREFIX + hashlib.sha256(payload.encode()).hexdigest()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mxcompile.passes as passes
 from mxcompile.compile_cache import cache_tag
 from mxcompile.config import MXConfig
 from mxcompile.planner.budget import MemoryBudget
@@ -88,3 +89,13 @@ def test_every_config_field_changes_the_cache_tag():
     assert cache_tag(MXConfig()) == base
     for name, value in CHANGED_FIELDS.items():
         assert cache_tag(MXConfig().replace(**{name: value})) != base, name
+
+
+def _replacement_pass(gm, config, graph_name):
+    raise AssertionError("never run: only its name enters the tag")
+
+
+def test_a_replaced_pass_changes_the_cache_tag(monkeypatch):
+    base = cache_tag(MXConfig())
+    monkeypatch.setattr(passes, "PIPELINE", (("gemm_rewrite", _replacement_pass),))
+    assert cache_tag(MXConfig()) != base
