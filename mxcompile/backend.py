@@ -17,6 +17,7 @@ KEPT_FLOP_WARNING_FRACTION of its GEMM FLOPs in high precision.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -25,10 +26,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.output_code import OutputCode
 
+from .compile_cache import load_report, report_key, store_report, tagged
 from .config import MXConfig
 from .coverage import warn_uncompiled
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
@@ -50,6 +55,10 @@ _HISTORY = ReportHistory(RETAINED_REPORTS)
 # A compiled graph that keeps more than this share of its GEMM FLOPs in high precision warns.
 KEPT_FLOP_WARNING_FRACTION = 0.05
 KEPT_REASONS_SHOWN = 3
+# Keys of torch._dynamo.utils.compilation_time_metrics (filled by dynamo_timed) for the backend's
+# own stages, next to torch's (benchmarks/compile_time.py reads them).
+PASSES_TIMER = "mxcompile.passes"
+PARTITION_TIMER = "mxcompile.partition"
 
 
 class MXKeptWarning(UserWarning):
@@ -106,6 +115,7 @@ def compile_graph(
     lower: Compiler = inductor_compiler,
     report: Report | None = None,
     describe: bool | None = None,
+    cacheable: bool = False,
 ) -> Callable:
     """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering.
 
@@ -113,8 +123,14 @@ def compile_graph(
     (default: whether a report was given, as by explain, the CLI and tests) the graphs are also
     described: the joint graph is partitioned once more without the rewrite, for the saved bytes
     and the before/after graphs. A plain training compile skips that extra work.
+
+    `cacheable` (only with Inductor's lowering, which returns torch's `OutputCode`, and without
+    `describe`) lets AOTAutograd's cache serve the graph; then the passes may not run at all and
+    `report` stays empty. The caller must compile under `compile_cache.tagged(config)`.
     """
     describe = report is not None if describe is None else describe
+    if cacheable and (describe or lower is not inductor_compiler):
+        raise ValueError("cacheable=True needs lower=inductor_compiler and describe=False")
     report = report if report is not None else Report(config.to_dict())
     # DTensor inputs (tensor parallelism) whose shards cut MX blocks; seen before AOTAutograd
     # flattens them into local tensors.
@@ -125,7 +141,8 @@ def compile_graph(
         config.fallback allows running the unrewritten graph."""
         candidate = clone_graph_module(graph)
         try:
-            results = run_pipeline(candidate, config, name)
+            with dynamo_timed(PASSES_TIMER):
+                results = run_pipeline(candidate, config, name)
         except PassError as err:
             if not config.fallback:
                 raise
@@ -147,9 +164,10 @@ def compile_graph(
             fw_before, bw_before = min_cut_rematerialization_partition(
                 clone_graph_module(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         rewrite(joint, "joint")
-        fw, bw = run_partition_stage(  # plain min-cut unless config.memory_budget is set
-            joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
-            num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
+        with dynamo_timed(PARTITION_TIMER):
+            fw, bw = run_partition_stage(  # plain min-cut unless config.memory_budget is set
+                joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
+                num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
         if describe:
             before = saved_tensors(fw_before, num_fwd_outputs, params)
             after = saved_tensors(fw, num_fwd_outputs, params)
@@ -169,9 +187,13 @@ def compile_graph(
             report.graphs.append(GraphSnapshot("inference", before, _readable(graph)))
         return lower(graph, inputs)
 
+    compilers = (lower, lower, inference)
+    if cacheable:  # AOTAutograd looks up and stores only graphs whose compilers say they return OutputCode
+        compilers = tuple(SerializableAOTDispatchCompiler(OutputCode, c) for c in compilers)
+    fw_compiler, bw_compiler, inference_compiler = compilers
     return aot_module_simplified(
         gm, example_inputs,
-        fw_compiler=lower, bw_compiler=lower, inference_compiler=inference,
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
         partition_fn=partition, decompositions=select_decomp_table(),
         keep_inference_input_mutations=True,
     )
@@ -181,9 +203,24 @@ def compile_and_record(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: MXConfig, *, lower: Compiler = inductor_compiler
 ) -> Callable:
     """`compile_graph` without the description work, then the graph's report is kept in the
-    history, logged in one line and, when it keeps too much in high precision, warned about."""
+    history, logged in one line and, when it keeps too much in high precision, warned about.
+
+    With Inductor's lowering, torch's compile caches serve the graph when they can (keyed with
+    `compile_cache.cache_tag(config)`); the report of a graph they serve is the one stored when
+    it was compiled, and its fallback warnings are given again."""
     report = Report(config.to_dict())
-    compiled = compile_graph(gm, example_inputs, config, lower=lower, report=report, describe=False)
+    cacheable = lower is inductor_compiler
+    key = report_key(gm, example_inputs, config) if cacheable else ""
+    with tagged(config) if cacheable else contextlib.nullcontext():
+        compiled = compile_graph(gm, example_inputs, config, lower=lower, report=report, describe=False,
+                                 cacheable=cacheable)
+    if cacheable and (report.passes or report.fallbacks):  # the pipeline ran: not served by a cache
+        store_report(key, report)
+    elif cacheable:
+        report = load_report(key) or report
+        for fallback in report.fallbacks:
+            warnings.warn(f"{fallback}; running this graph without the MXFP8 rewrite (loaded from the "
+                          "compile cache; set options={'fallback': False} to raise instead)", stacklevel=2)
     index = _HISTORY.record(report, example_inputs)
     logger.info("mxcompile: compiled graph %d: %s", index, report.summary())
     total = report.gemm_flops_total

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import dynamo_timed
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.replace_random import replace_random_passes
 from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
 from .ops.mx_mm import MX_MM, gemm_operand_dtype
@@ -35,10 +40,16 @@ MX_OPS = frozenset(DECOMPOSITIONS)
 # Pointwise nodes with more ops than this, read more than once, are stored instead. Plain
 # casts and views stay fused.
 REALIZE_OPCOUNT_THRESHOLD = 50
+# Key of torch._dynamo.utils.compilation_time_metrics for the decomposition (see backend.py).
+DECOMPOSE_TIMER = "mxcompile.decompose_mx_ops"
 
 
 def _matmul(a, b, out_dtype):
     return torch.matmul(a, b).to(out_dtype)
+
+
+# The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
+_LOWERING_HELPERS = (fake_quantize_for_inductor, dequantize_for_inductor, _matmul)
 
 
 def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
@@ -89,22 +100,124 @@ def has_mx_ops(gm: fx.GraphModule, ops: frozenset = MX_OPS) -> bool:
     return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
 
 
+def _needs_decomposition(node: fx.Node, table: dict) -> bool:
+    """Whether Inductor needs this node in other ops: an op of the decomposition table, a
+    CompositeImplicitAutograd op (a pass may insert aten.reshape), or a lowering helper."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target in table or torch._C._dispatch_has_kernel_for_dispatch_key(
+            target.name(), "CompositeImplicitAutograd")
+    return target in _LOWERING_HELPERS
+
+
+def _signature(value: Any) -> Any:
+    """A hashable description of one traced input or constant argument (trace-cache key)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device, tuple(map(str, value.shape)),
+                tuple(map(str, value.stride())), value.storage_offset())
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", type(value).__name__, str(value))
+    return ("const", type(value).__name__, repr(value))
+
+
+@dataclass(frozen=True)
+class _Input:
+    """Stands for the index-th input node of a node being traced alone."""
+
+    index: int
+
+
+class _NodeDecomposer:
+    """Replaces single nodes of `gm` by their traces under `table`: each node's function is
+    traced alone (make_fx, on its inputs' fake values) and the trace spliced in its place.
+    Traces are reused between nodes with the same target and input signature (repeated layers)."""
+
+    def __init__(self, gm: fx.GraphModule, table: dict, fake_mode: Any):
+        self.gm, self.table, self.fake_mode = gm, table, fake_mode
+        self.traces: dict[Any, fx.GraphModule] = {}
+        self.constants = 0
+
+    def _trace(self, node: fx.Node, inputs: list[fx.Node]) -> fx.GraphModule:
+        values = [n.meta["val"] for n in inputs]
+        position = {n: _Input(i) for i, n in enumerate(inputs)}
+        structure = fx.node.map_arg((node.args, node.kwargs), position.__getitem__)
+        key = (node.target, tuple(_signature(v) for v in values),
+               repr(fx.node.map_aggregate(structure, lambda v: v if isinstance(v, _Input) else _signature(v))))
+        if key not in self.traces:
+            target = node.target  # make_fx applies the table (a decomposition may decline)
+
+            def run(*args: Any) -> Any:
+                call_args, call_kwargs = fx.node.map_aggregate(
+                    structure, lambda v: args[v.index] if isinstance(v, _Input) else v)
+                return target(*call_args, **call_kwargs)
+
+            trace = make_fx(run, decomposition_table=self.table, tracing_mode="real")
+            with self.fake_mode if self.fake_mode is not None else contextlib.nullcontext():
+                self.traces[key] = trace(*values)
+        return self.traces[key]
+
+    def replace(self, node: fx.Node) -> None:
+        inputs: list[fx.Node] = []
+        fx.node.map_arg((node.args, node.kwargs), lambda n: inputs.append(n) if n not in inputs else None)
+        trace = self._trace(node, inputs)
+        graph = self.gm.graph
+        placeholders = [n for n in trace.graph.nodes if n.op == "placeholder"]
+        env: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
+        result: Any = None
+        with graph.inserting_before(node):
+            for sub in trace.graph.nodes:
+                if sub.op == "placeholder":
+                    continue
+                if sub.op == "output":
+                    result = fx.node.map_arg(sub.args[0], env.__getitem__)
+                elif sub.op == "get_attr":  # a constant the definition creates
+                    name = f"_mx_decomposed_constant{self.constants}"
+                    self.constants += 1
+                    setattr(self.gm, name, getattr(trace, sub.target))
+                    env[sub] = graph.get_attr(name)
+                    env[sub].meta.update(sub.meta)
+                else:
+                    env[sub] = graph.node_copy(sub, env.__getitem__)
+        if isinstance(result, (tuple, list)):  # a multi-output op: its users are getitems
+            for user in list(node.users):
+                if user.target is not operator.getitem:
+                    raise RuntimeError(f"mxcompile lowering: {node.format_node()} is used by "
+                                       f"{user.format_node()}, not by a getitem of one of its outputs")
+                user.replace_all_uses_with(result[user.args[1]])
+                graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(result)
+        graph.erase_node(node)
+
+
 def decompose_mx_ops(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, opaque: frozenset = frozenset()
 ) -> fx.GraphModule:
-    """Retrace `gm`, replacing mxcompile ops by the aten ops of their definitions; the ops in
-    `opaque` stay as they are (on CUDA: those with a Triton CUDA kernel)."""
+    """Replace the mxcompile ops of `gm` by the aten ops of their definitions, in place; the ops
+    in `opaque` stay as they are (on CUDA: those with a Triton CUDA kernel).
+
+    Only the nodes that need it are traced (the MX ops, the helpers `lower_mx_gemms` inserts,
+    and ops a pass inserted in a form Inductor does not take), one at a time, each spliced into
+    the graph in place of its node: the rest of the graph, already in Inductor's form from
+    AOTAutograd, is not traced again. Nodes need their fake values (meta["val"])."""
     if not has_mx_ops(gm, MX_OPS - opaque):
         return gm
     if MX_MM not in opaque:
         lower_mx_gemms(gm)
     table = {**select_decomp_table(), **{op: f for op, f in DECOMPOSITIONS.items() if op not in opaque}}
-    trace = make_fx(fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="real")
     fake_mode = detect_fake_mode(example_inputs)
-    if fake_mode is None:
-        return trace(*example_inputs)
-    with fake_mode:
-        return trace(*example_inputs)
+    if fake_mode is None:  # real inputs (a graph traced outside AOTAutograd): give it one fake mode
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        FakeTensorProp(gm, fake_mode).propagate(*example_inputs)
+    decomposer = _NodeDecomposer(gm, table, fake_mode)
+    for node in [n for n in gm.graph.nodes if _needs_decomposition(n, table)]:
+        decomposer.replace(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def use_inductor_random(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
@@ -138,7 +251,8 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     # reordering moves recomputation earlier than planned (measured on the tiny GPT at half the
     # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
     planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
-    gm = decompose_mx_ops(gm, example_inputs, opaque=opaque)
+    with dynamo_timed(DECOMPOSE_TIMER):
+        gm = decompose_mx_ops(gm, example_inputs, opaque=opaque)
     use_inductor_random(gm, example_inputs)
     with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
                                reorder_for_peak_memory=not planned):
