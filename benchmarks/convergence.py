@@ -1,113 +1,358 @@
-"""Convergence: the built-in GPT trained on the offline Shakespeare corpus in bf16 (default
-backend, autocast) and with the mxfp8 backend, same seed, same initial weights, same data order.
+"""Convergence over seeds: the built-in GPT trained on the offline Shakespeare corpus in high
+precision and in MXFP8 variants, several seeds each; validation loss on held-out text at fixed
+steps, mean ± std over seeds, and each variant's gap to the high-precision baseline with a 95%
+Welch t interval.
 
-    python benchmarks/convergence.py                      # 300 steps, GPT "small"
-    python benchmarks/convergence.py --steps 60 --size tiny --out out/
+    python benchmarks/convergence.py --quick                       # tiny smoke run (the test's)
+    python benchmarks/convergence.py --size tiny --steps 1000 --seeds 0 1 2 \\
+        --precision fp32 --threads 1 --out benchmarks/results       # the README's figures
 
-Prints the loss curves (every --print-every steps), the final loss of each (mean of the last
---tail steps) and the gap to bf16, with MX attention ("mxfp8") and without it ("mx-noattn");
-writes loss_curves.png to --out. Target: mxfp8 within 2% of bf16.
+Variants (same seed = same initial weights and same batch order in every variant):
+  baseline      torch.compile's default backend, in --precision (bf16 autocast, or fp32)
+  mxfp8         every GEMM, attention's included, in MXFP8 (mxcompile's defaults)
+  mx-noattn     linear layers only (attention="off")
+  mx-e5m2-fwd   a contrast that should be worse: E5M2 elements (2 mantissa bits) in the forward
+  torchao-mx    torchao's MXFP8 training recipe with its emulated kernels (fp32 master weights,
+                no autocast: torchao 0.18 fails under bf16 autocast); its one-line failure
+                reason is reported instead when it cannot run here
+
+Validation: every --eval-every steps the trained weights are copied into a plain GPT and
+evaluated eagerly, in --precision, on the same --eval-batches batches of the validation split
+(the corpus' last 10%, never trained on), so every variant is scored by the same forward.
+
+Writes convergence.json (settings, every per-seed curve, the summary) and convergence.png (mean
+curves with ± std bands over seeds) to --out. `--merge A.json B.json` combines result files of
+runs with equal settings (e.g. variants run in separate processes) and rewrites the summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
+import math
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
+from matplotlib.figure import Figure
+from scipy import stats
 
-from mxcompile.examples import gpt_factory
 from mxcompile.examples.data import load_corpus, train_val_split
-from mxcompile.examples.train import train
+from mxcompile.examples.gpt import GPT, GPT_SIZES, GPTConfig
+from mxcompile.examples.train import evaluate, train
 
-# (name, torch.compile backend, options): the columns of the table.
+CONFIDENCE = 0.95
+EVAL_SEED = 1234  # fixed: every variant and seed is scored on the same validation batches
+PRECISIONS = ("bf16", "fp32")
+BASELINE = "baseline"
+TORCHAO = "torchao"
+RESULTS_NAME = "convergence.json"
+PLOT_NAME = "convergence.png"
+# Settings that must agree between result files before --merge combines them.
+MERGE_KEYS = ("size", "d_model", "layers", "heads", "seq_len", "steps", "batch_size", "lr",
+              "texts", "eval_every", "eval_batches", "precision", "seeds")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column: how the model is trained. backend is a torch.compile backend name, or
+    TORCHAO for torchao's recipe (applied to the model, then compiled with Inductor)."""
+
+    name: str
+    backend: str
+    options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a variant needs a name")
+        if self.backend == TORCHAO and self.options is not None:
+            raise ValueError(f"variant {self.name!r}: torchao takes no compile options")
+
+
 VARIANTS = (
-    ("bf16", "inductor", None),
-    ("mxfp8", "mxfp8", None),  # every GEMM and both attention GEMMs in MXFP8 (the defaults)
-    ("mx-noattn", "mxfp8", {"attention": "off"}),  # linear layers only: the attention column
+    Variant(BASELINE, "inductor"),
+    Variant("mxfp8", "mxfp8"),
+    Variant("mx-noattn", "mxfp8", {"attention": "off"}),
+    Variant("mx-e5m2-fwd", "mxfp8", {"forward_elem": "e5m2"}),
+    Variant("torchao-mx", TORCHAO),
 )
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 
-def final_loss(losses: list[float], tail: int) -> float:
-    window = losses[-tail:]
-    return sum(window) / len(window)
+class TorchaoUnavailable(RuntimeError):
+    """torchao's MX recipe cannot run here; the message is the one-line reason."""
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The preset --size with any of --d-model/--layers/--heads/--seq-len overriding it."""
+    overrides = {"d_model": args.d_model, "n_layer": args.layers, "n_head": args.heads,
+                 "block_size": args.seq_len}
+    return dataclasses.replace(GPT_SIZES[args.size], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def build_model(config: GPTConfig, seed: int) -> GPT:
+    """A GPT initialised from `seed`, leaving the caller's random state untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(config)
+
+
+def torchao_mx(model: GPT) -> GPT:
+    """Apply torchao's MXFP8 training recipe with emulated kernels (the one that runs on CPU)
+    to every nn.Linear, in place; TorchaoUnavailable with the reason when it cannot."""
+    try:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+        from torchao.quantization import quantize_
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    except ImportError as err:
+        raise TorchaoUnavailable(f"torchao not importable: {err}") from err
+    config = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED)
+    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    return model
+
+
+def validation_loss(model: GPT, scorer: GPT, args: argparse.Namespace, val_data: torch.Tensor) -> float:
+    """The trained weights of `model` copied into the plain GPT `scorer`, evaluated eagerly."""
+    scorer.load_state_dict({k: v.detach() for k, v in model.state_dict().items()})
+    return evaluate(scorer, args.batch_size, scorer.config.block_size, args.eval_batches,
+                    seed=EVAL_SEED, data=val_data, autocast_bf16=args.precision == "bf16")
+
+
+def run_seed(variant: Variant, seed: int, args: argparse.Namespace, train_data: torch.Tensor,
+             val_data: torch.Tensor) -> dict:
+    """Train one seed of one variant; its validation curve at the eval steps, its training
+    losses and its wall time."""
+    config = model_config(args)
+    model = build_model(config, seed)
+    scorer = build_model(config, seed)
+    backend, options, autocast = variant.backend, variant.options, args.precision == "bf16"
+    if variant.backend == TORCHAO:
+        model, backend, autocast = torchao_mx(model), "inductor", False
+    curve: list[float] = []
+
+    def progress(step: int, loss: float) -> None:
+        if step % args.eval_every == 0:
+            curve.append(validation_loss(model, scorer, args, val_data))
+
+    started = time.perf_counter()
+    losses = train(model, args.steps, args.batch_size, config.block_size, lr=args.lr, seed=seed,
+                   compile_backend=backend, compile_options=options, autocast_bf16=autocast,
+                   progress=progress, data=train_data)
+    return {"seed": seed, "val": curve, "train": losses, "seconds": time.perf_counter() - started}
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.manual_seed(args.seed)
-    base, _ = gpt_factory(args.size, seed=args.seed)
-    train_data, _ = train_val_split(load_corpus(args.texts))
-    seq_len = base.config.block_size
-    results = {}
-    for name, backend, options in VARIANTS:
-        model = copy.deepcopy(base)
-        started = time.perf_counter()
-        losses = train(model, args.steps, args.batch_size, seq_len, lr=args.lr, seed=args.seed,
-                       compile_backend=backend, compile_options=options, autocast_bf16=True,
-                       data=train_data)
-        results[name] = {"losses": losses, "seconds": time.perf_counter() - started,
-                         "final": final_loss(losses, args.tail)}
+    """Every selected variant over every seed. A torchao failure is recorded as its reason."""
+    train_data, val_data = train_val_split(load_corpus(args.texts))
+    runs: dict[str, dict] = {}
+    for variant in VARIANTS:
+        if variant.name not in args.variants:
+            continue
+        per_seed = []
+        try:
+            for seed in args.seeds:
+                per_seed.append(run_seed(variant, seed, args, train_data, val_data))
+                print(f"{variant.name} seed {seed}: val {per_seed[-1]['val'][-1]:.4f} "
+                      f"({per_seed[-1]['seconds']:.0f} s)", flush=True)
+            runs[variant.name] = {"status": "ok", "runs": per_seed}
+        except (TorchaoUnavailable, RuntimeError) as err:
+            if variant.backend != TORCHAO:
+                raise
+            # torchao's CPU path is a prototype: report its reason in the table, don't hide it.
+            runs[variant.name] = {"status": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}",
+                                  "runs": per_seed}
         torch._dynamo.reset()
-    reference = results["bf16"]["final"]
-    for name in results:
-        results[name]["gap_percent"] = 100.0 * (results[name]["final"] - reference) / reference
-    return results
+    return runs
 
 
-def print_table(results: dict, args: argparse.Namespace) -> None:
-    names = list(results)
-    print("step  " + "  ".join(f"{n:>8}" for n in names))
-    for step in range(0, args.steps, args.print_every):
-        print(f"{step + 1:4d}  " + "  ".join(f"{results[n]['losses'][step]:8.4f}" for n in names))
-    print()
-    print(f"{'variant':8} {'final':>8} {'gap':>8} {'time s':>8}")
-    for name, r in results.items():
-        print(f"{name:8} {r['final']:8.4f} {r['gap_percent']:+7.2f}% {r['seconds']:8.1f}")
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> dict:
+    """Mean(a) - mean(b) with its two-sided Welch t interval (unequal variances, Welch-
+    Satterthwaite degrees of freedom; the t quantile from scipy)."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"a Welch interval needs 2 or more values per group; got {len(a)} and {len(b)}")
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:  # identical values in both groups: no spread to scale an interval by
+        return {"diff": diff, "low": diff, "high": diff, "df": float(len(a) + len(b) - 2), "t": 0.0}
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t = float(stats.t.ppf(0.5 + confidence / 2, df))
+    return {"diff": diff, "low": diff - t * se, "high": diff + t * se, "df": df, "t": t}
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
+def summarize(runs: Mapping[str, dict]) -> dict:
+    """Per variant: mean and sample std over seeds of the validation curve and its final value;
+    the gap of the final value to the baseline (absolute and percent of the baseline mean) with
+    its Welch interval; whether the variant's mean lies within the baseline's mean ± std."""
+    if runs.get(BASELINE, {}).get("status") != "ok":
+        raise ValueError(f"the {BASELINE!r} variant is missing or failed; every gap is measured against it")
+    base_final = [r["val"][-1] for r in runs[BASELINE]["runs"]]
+    base_mean, base_std = statistics.fmean(base_final), statistics.stdev(base_final)
+    summary = {}
+    for name, entry in runs.items():
+        if entry["status"] != "ok":
+            summary[name] = {"status": entry["status"]}
+            continue
+        curves = [r["val"] for r in entry["runs"]]
+        final = [c[-1] for c in curves]
+        gap = welch_interval(final, base_final)
+        summary[name] = {
+            "status": "ok",
+            "seeds": [r["seed"] for r in entry["runs"]],
+            "mean_curve": [statistics.fmean(col) for col in zip(*curves)],
+            "std_curve": [statistics.stdev(col) for col in zip(*curves)],
+            "final_mean": statistics.fmean(final),
+            "final_std": statistics.stdev(final),
+            "gap": gap,
+            "gap_percent": {k: 100.0 * gap[k] / base_mean for k in ("diff", "low", "high")},
+            "within_baseline_spread": abs(statistics.fmean(final) - base_mean) <= base_std,
+            "seconds_per_run": statistics.fmean(r["seconds"] for r in entry["runs"]),
+        }
+    return summary
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{name} ({r['final']:.3f})")
+def eval_steps(settings: Mapping[str, Any]) -> list[int]:
+    return list(range(settings["eval_every"], settings["steps"] + 1, settings["eval_every"]))
+
+
+def print_table(results: Mapping[str, Any]) -> None:
+    settings, summary = results["settings"], results["summary"]
+    base = settings["precision"]
+    print(f"\nGPT {settings['config']}, {settings['steps']} steps, batch {settings['batch_size']}, "
+          f"seeds {settings['seeds']}, baseline {base}; validation loss at step {settings['steps']}")
+    print(f"{'variant':12} {'val loss mean ± std':>22} {'gap to ' + base + ' [95% CI]':>34} "
+          f"{'gap %':>24} {'s/run':>7}")
+    for name, row in summary.items():
+        if row["status"] != "ok":
+            print(f"{name:12} not run: {row['status']}")
+            continue
+        gap, pct = row["gap"], row["gap_percent"]
+        print(f"{name:12} {row['final_mean']:13.4f} ± {row['final_std']:.4f} "
+              f"{gap['diff']:+10.4f} [{gap['low']:+.4f}, {gap['high']:+.4f}] "
+              f"{pct['diff']:+7.2f}% [{pct['low']:+.2f}, {pct['high']:+.2f}] {row['seconds_per_run']:7.0f}")
+    if summary.get("mxfp8", {}).get("status") == "ok":
+        print(spread_statement(summary, base))
+
+
+def spread_statement(summary: Mapping[str, Any], base: str) -> str:
+    row, ref = summary["mxfp8"], summary[BASELINE]
+    where = "within" if row["within_baseline_spread"] else "outside"
+    contains = row["gap"]["low"] <= 0.0 <= row["gap"]["high"]
+    return (f"mxfp8's mean final loss lies {where} {base}'s seed-to-seed spread "
+            f"(|gap| {abs(row['gap']['diff']):.4f} vs {base} std {ref['final_std']:.4f}); "
+            f"the 95% interval of the gap {'contains' if contains else 'excludes'} 0.")
+
+
+def plot(results: Mapping[str, Any]) -> Figure:
+    """Mean validation curve of each variant with a band of ± one std over seeds."""
+    steps, summary = eval_steps(results["settings"]), results["summary"]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for name, row in summary.items():
+        if row["status"] != "ok":
+            continue
+        mean, std = row["mean_curve"], row["std_curve"]
+        label = BASELINE + f" ({results['settings']['precision']})" if name == BASELINE else name
+        (line,) = ax.plot(steps, mean, label=f"{label}: {row['final_mean']:.4f} ± {row['final_std']:.4f}")
+        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color=line.get_color(), alpha=0.2, label=f"_{name} band")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("GPT on Shakespeare: bf16 vs mxfp8")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"GPT on Shakespeare, mean ± std over seeds {results['settings']['seeds']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def settings_of(args: argparse.Namespace) -> dict:
+    return {"size": args.size, "d_model": args.d_model, "layers": args.layers, "heads": args.heads,
+            "seq_len": args.seq_len, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+            "texts": args.texts, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+            "precision": args.precision, "seeds": list(args.seeds), "threads": torch.get_num_threads(),
+            "config": dataclasses.asdict(model_config(args))}
+
+
+def merge(paths: Sequence[Path]) -> dict:
+    """Combine result files whose MERGE_KEYS settings agree; a variant in two files is an error."""
+    loaded = [json.loads(Path(p).read_text()) for p in paths]
+    settings = loaded[0]["settings"]
+    runs: dict[str, dict] = {}
+    for path, result in zip(paths, loaded):
+        differ = [k for k in MERGE_KEYS if result["settings"][k] != settings[k]]
+        if differ:
+            raise ValueError(f"{path} was run with other settings ({', '.join(differ)}); "
+                             "merge only runs of the same command with other --variants")
+        for name, entry in result["runs"].items():
+            if name in runs:
+                raise ValueError(f"variant {name!r} is in more than one file; give each once")
+            runs[name] = entry
+    ordered = {name: runs[name] for name in VARIANT_NAMES if name in runs}
+    return {"settings": settings, "runs": ordered}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--size", default="small")
+    parser.add_argument("--size", default="tiny", choices=sorted(GPT_SIZES))
+    parser.add_argument("--d-model", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--layers", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--heads", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--seq-len", type=int, default=None, help="overrides the preset's block size")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--texts", type=int, default=20, help="number of corpus texts to load")
-    parser.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N")
-    parser.add_argument("--print-every", type=int, default=25)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                        help="baseline and MX high-precision dtype: bf16 autocast, or fp32 "
+                             "(for CPUs without bf16 GEMM instructions, where bf16 is slow)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANT_NAMES), choices=VARIANT_NAMES)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads; 1 is far faster on an oversubscribed CPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny smoke run: 2 layers of width 32, 6 steps, seeds 0 1 2, no torchao")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="combine these result files instead of training")
     parser.add_argument("--out", type=Path, default=Path("out/convergence"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.d_model, args.layers, args.heads, args.seq_len = "tiny", 32, 2, 2, 32
+        args.steps, args.eval_every, args.eval_batches, args.batch_size = 6, 2, 2, 4
+        args.texts, args.seeds = 1, [0, 1, 2]
+        args.variants = [v for v in args.variants if v != "torchao-mx"]
+    if len(set(args.seeds)) < 2 or len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {args.seeds}: give 2 or more distinct seeds (std and intervals need them)")
+    if args.steps % args.eval_every != 0:
+        parser.error(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}; "
+                     "the final step must be an eval step")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    results = run(args)
-    print_table(results, args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    if args.merge is not None:
+        results = merge(args.merge)
+    else:
+        results = {"settings": settings_of(args), "runs": run(args)}
+        results["settings"]["wall_seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out / "loss_curves.png")
-    (args.out / "convergence.json").write_text(json.dumps(results))
-    print(f"\nwrote {args.out / 'loss_curves.png'}")
+    if BASELINE not in results["runs"]:  # a part run in its own process: --merge it with the baseline's
+        (args.out / RESULTS_NAME).write_text(json.dumps(results, indent=1))
+        print(f"\nwrote {args.out / RESULTS_NAME} (no {BASELINE}: no summary; combine it with --merge)")
+        return results
+    results["summary"] = summarize(results["runs"])
+    print_table(results)
+    (args.out / RESULTS_NAME).write_text(json.dumps(results, indent=1))
+    plot(results).savefig(args.out / PLOT_NAME, dpi=100)
+    print(f"\nwrote {args.out / RESULTS_NAME} and {args.out / PLOT_NAME}")
     return results
 
 

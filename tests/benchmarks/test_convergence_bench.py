@@ -1,0 +1,160 @@
+"""benchmarks/convergence.py: the statistics it reports are the statistics of its own per-seed
+curves. `--quick` trains every mxcompile variant over 3 seeds; the checks recompute each mean,
+std, gap and Welch interval from the per-seed validation curves with numpy/scipy, and read the
+plot's bands back from the figure. The interval function is checked against scipy's own Welch
+test, and --merge against the unsplit result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "convergence.py"
+QUICK_SEEDS = [0, 1, 2]
+QUICK_VARIANTS = ("baseline", "mxfp8", "mx-noattn", "mx-e5m2-fwd")
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("convergence_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
+    out = tmp_path_factory.mktemp("convergence")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1", "--precision", "fp32", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1500,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "convergence.json").read_text()), result.stdout, out
+
+
+def _finals(results: dict, name: str) -> np.ndarray:
+    return np.array([r["val"][-1] for r in results["runs"][name]["runs"]])
+
+
+@pytest.mark.slow
+def test_quick_runs_every_variant_over_every_seed(quick) -> None:
+    results, _, out = quick
+    settings = results["settings"]
+    n_evals = settings["steps"] // settings["eval_every"]
+    assert list(results["runs"]) == list(QUICK_VARIANTS)
+    for name in QUICK_VARIANTS:
+        entry = results["runs"][name]
+        assert entry["status"] == "ok"
+        assert [r["seed"] for r in entry["runs"]] == QUICK_SEEDS
+        for r in entry["runs"]:
+            assert len(r["val"]) == n_evals and len(r["train"]) == settings["steps"]
+            assert all(np.isfinite(r["val"]))
+    # The seed changes the run: no two seeds of the baseline give the same curve.
+    curves = [tuple(r["val"]) for r in results["runs"]["baseline"]["runs"]]
+    assert len(set(curves)) == len(curves)
+    assert (out / "convergence.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_summary_is_computed_from_the_seeds(quick) -> None:
+    results, _, _ = quick
+    base = _finals(results, "baseline")
+    for name in QUICK_VARIANTS:
+        row = results["summary"][name]
+        curves = np.array([r["val"] for r in results["runs"][name]["runs"]])
+        np.testing.assert_allclose(row["mean_curve"], curves.mean(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(row["std_curve"], curves.std(axis=0, ddof=1), rtol=1e-12)
+        final = curves[:, -1]
+        assert row["final_mean"] == pytest.approx(final.mean(), rel=1e-12)
+        assert row["final_std"] == pytest.approx(final.std(ddof=1), rel=1e-12)
+        gap = row["gap"]
+        assert gap["diff"] == pytest.approx(final.mean() - base.mean(), abs=1e-12)
+        assert gap["low"] <= gap["diff"] <= gap["high"]
+        if name != "baseline":  # independent seeds -> a nonzero spread -> a nonempty interval
+            assert gap["low"] < gap["diff"] < gap["high"]
+            expected = stats.ttest_ind(final, base, equal_var=False).confidence_interval(0.95)
+            assert gap["low"] == pytest.approx(expected.low, rel=1e-9)
+            assert gap["high"] == pytest.approx(expected.high, rel=1e-9)
+        assert row["gap_percent"]["diff"] == pytest.approx(100 * gap["diff"] / base.mean(), rel=1e-12)
+        assert row["within_baseline_spread"] == bool(abs(final.mean() - base.mean()) <= base.std(ddof=1))
+
+
+@pytest.mark.slow
+def test_quick_table_prints_each_variant_and_the_spread_verdict(quick) -> None:
+    results, stdout, _ = quick
+    for name in QUICK_VARIANTS:
+        row = results["summary"][name]
+        line = next(l for l in stdout.splitlines() if l.startswith(f"{name} "))
+        assert f"{row['final_mean']:.4f} ± {row['final_std']:.4f}" in line
+        assert f"[{row['gap']['low']:+.4f}, {row['gap']['high']:+.4f}]" in line
+    where = "within" if results["summary"]["mxfp8"]["within_baseline_spread"] else "outside"
+    assert f"mxfp8's mean final loss lies {where} fp32's seed-to-seed spread" in stdout
+
+
+@pytest.mark.slow
+def test_quick_plot_bands_are_mean_plus_minus_std_of_the_seeds(quick) -> None:
+    results, _, _ = quick
+    module = _module()
+    fig = module.plot(results)
+    (ax,) = fig.axes
+    steps = np.array(module.eval_steps(results["settings"]))
+    bands = ax.collections
+    assert len(bands) == len(QUICK_VARIANTS)
+    for band, name in zip(bands, QUICK_VARIANTS):
+        curves = np.array([r["val"] for r in results["runs"][name]["runs"]])
+        mean, std = curves.mean(axis=0), curves.std(axis=0, ddof=1)
+        vertices = band.get_paths()[0].vertices
+        for step, lo, hi in zip(steps, mean - std, mean + std):
+            at_step = vertices[np.isclose(vertices[:, 0], step)][:, 1]
+            assert at_step.min() == pytest.approx(lo, rel=1e-9)
+            assert at_step.max() == pytest.approx(hi, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_merge_of_split_runs_equals_the_whole(quick, tmp_path: Path) -> None:
+    results, _, _ = quick
+    module = _module()
+    first = {"settings": results["settings"], "runs": {k: results["runs"][k] for k in QUICK_VARIANTS[:2]}}
+    second = {"settings": results["settings"], "runs": {k: results["runs"][k] for k in QUICK_VARIANTS[2:]}}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, (second, first)):  # order of files does not matter
+        path.write_text(json.dumps(part))
+    merged = module.merge(paths)
+    assert merged["runs"] == results["runs"]
+    assert module.summarize(merged["runs"]) == results["summary"]
+    other = {"settings": {**results["settings"], "steps": results["settings"]["steps"] + 1}, "runs": {}}
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="other settings"):
+        module.merge(paths)
+
+
+def test_welch_interval_matches_scipy() -> None:
+    module = _module()
+    a, b = [2.51, 2.47, 2.55, 2.49], [2.40, 2.46, 2.44]
+    got = module.welch_interval(a, b)
+    expected = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert got["low"] == pytest.approx(expected.low, rel=1e-12)
+    assert got["high"] == pytest.approx(expected.high, rel=1e-12)
+    assert got["diff"] == pytest.approx(np.mean(a) - np.mean(b), rel=1e-12)
+    assert got["t"] == pytest.approx(stats.t.ppf(0.975, got["df"]), rel=1e-12)
+    with pytest.raises(ValueError, match="2 or more"):
+        module.welch_interval([1.0], b)
+
+
+def test_one_seed_is_refused() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--seeds", "0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "2 or more distinct seeds" in result.stderr
