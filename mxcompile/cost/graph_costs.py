@@ -16,9 +16,11 @@ Conventions
     * Aliasing ops (views, ``getitem``) move no data and cost nothing.
     * Workspace: scratch memory an op holds while it runs, beyond its output; counted for the
       MX ops: the attention ops (their key-tiled CPU implementation keeps fp32 copies of the
-      operands, and the backward most of all: several times their output), ``mx_mm`` (its
-      operands dequantized to fp32; Inductor materializes them too) and the eager quantize
-      op (bounded by its slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`).
+      operands, and the backward most of all: several times their output), ``mx_mm`` (the
+      peak of its torch reference, :func:`mxcompile.ops.mx_mm_peak_bytes`: fp32 copies made
+      while dequantizing each operand, then both operands in the GEMM's operand dtype;
+      Inductor's decomposed form holds those two operands too) and the eager quantize op (bounded by its
+      slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`).
     * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
 """
 
@@ -31,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.graph_facts import concrete_int
-from ..ops import gemm_operand_dtype, quantize_scratch_bytes
+from ..ops import mx_mm_peak_bytes, quantize_scratch_bytes
 from .profiles import DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
@@ -111,7 +113,8 @@ def workspace_bytes(node: fx.Node) -> int:
     name = schema.name if schema is not None else ""
     if name == MX_MM_SCHEMA_NAME:
         out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
-        return gemm_operand_dtype(out_dtype).itemsize * (_numel(node.args[0]) + _numel(node.args[2]))
+        peak = mx_mm_peak_bytes(*(_numel(node.args[i]) for i in range(4)), _numel(node), out_dtype)
+        return max(0, peak - node_bytes(node))
     if name == QUANTIZE_SCHEMA_NAME:
         return quantize_scratch_bytes(_numel(node.args[0]))
     if name in ATTENTION_WORKSPACE_QUERY_COPIES:

@@ -19,7 +19,7 @@ lowering keeps opaque because their CUDA kernel is a Triton one.
 from __future__ import annotations
 
 from . import attention, grouped_mm, offload
-from .mx_mm import MX_MM, gemm_operand_dtype
+from .mx_mm import MX_MM, gemm_operand_dtype, mx_mm_peak_bytes
 from .mx_mm import DECOMPOSITIONS as _MX_MM_DECOMPOSITIONS
 from .quantize import (
     DEQUANTIZE,
@@ -42,6 +42,7 @@ __all__ = [
     "attention",
     "gemm_operand_dtype",
     "grouped_mm",
+    "mx_mm_peak_bytes",
     "offload",
     "quantize_scratch_bytes",
 ]

@@ -32,6 +32,39 @@ def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if out_dtype == torch.float32 else torch.bfloat16
 
 
+_FP32_BYTES = 4
+
+
+def _dequantized_peak_bytes(numel: int, scale_numel: int, dtype: torch.dtype) -> int:
+    """Peak bytes `numerics.dequantize_along` holds for an operand of ``numel`` elements with
+    ``scale_numel`` scales, its result included: the fp32 copy of the data and the fp32 scales,
+    their fp32 product, and the cast of the product to ``dtype`` (none for fp32)."""
+    cast = 0 if dtype == torch.float32 else numel * dtype.itemsize
+    return 2 * _FP32_BYTES * numel + _FP32_BYTES * scale_numel + cast
+
+
+def mx_mm_peak_bytes(a_numel: int, a_scale_numel: int, b_numel: int, b_scale_numel: int, out_numel: int,
+                     out_dtype: torch.dtype) -> int:
+    """Peak bytes `mx_mm_reference` allocates while it runs, its output included (the bytes
+    allocated before the call, such as the fp8 operands, not counted).
+
+    It runs in three phases: A is dequantized (`_dequantized_peak_bytes`); B is dequantized
+    while A's operand is held; the product of the two operands is taken in the operand dtype
+    and cast to ``out_dtype`` if that differs. The peak is the largest phase. The memory
+    planner's cost model (`mxcompile.cost.graph_costs.workspace_bytes`) takes the op's scratch
+    from this, so it must change with the reference.
+    """
+    operand = gemm_operand_dtype(out_dtype)
+    a_held = a_numel * operand.itemsize
+    product = out_numel * operand.itemsize
+    out = out_numel * out_dtype.itemsize if out_dtype != operand else 0
+    return max(
+        _dequantized_peak_bytes(a_numel, a_scale_numel, operand),
+        a_held + _dequantized_peak_bytes(b_numel, b_scale_numel, operand),
+        a_held + b_numel * operand.itemsize + product + out,
+    )
+
+
 def mx_mm_reference(
     a: torch.Tensor,
     a_scale: torch.Tensor,
