@@ -10,9 +10,10 @@ Conventions
     * Bytes are ``numel * element_size`` of every tensor in the value (a tuple of tensors
       counts each), so fp8 data (1 byte per element) and uint8 MX scales (1 byte per block)
       are counted exactly. Symbolic sizes use their runtime hint.
-    * FLOPs are counted exactly for GEMMs only (``aten.mm``, ``aten.addmm``, ``aten.bmm``,
-      ``mxcompile::mx_mm``): ``2 * M * N * K`` (times the batch). Every other op is treated
-      as memory-bound: its cost is the bytes it reads and writes.
+    * FLOPs are counted exactly for GEMMs (``aten.mm``, ``aten.addmm``, ``aten.bmm``,
+      ``mxcompile::mx_mm``): ``2 * M * N * K`` (times the batch), and for the MX attention
+      ops as their GEMMs (:func:`attention_flops`). Every other op is treated as memory-bound:
+      its cost is the bytes it reads and writes.
     * Aliasing ops (views, ``getitem``) move no data and cost nothing.
     * Workspace: scratch memory an op holds while it runs, beyond its output; counted for the
       MX ops: the attention ops (their key-tiled CPU implementation keeps fp32 copies of the
@@ -21,7 +22,12 @@ Conventions
       while dequantizing each operand, then both operands in the GEMM's operand dtype;
       Inductor's decomposed form holds those two operands too) and the eager quantize op (bounded by its
       slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`).
-    * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
+    * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``, where
+      ``mxcompile::mx_mm`` runs at the FP8 rate on devices with FP8 GEMMs and at its operands'
+      dtype (:func:`mxcompile.ops.gemm_operand_dtype`) elsewhere (CPUs dequantize first). Where
+      the profile measured an MX op's own rate (``DeviceProfile.op_rates``: the CPU's
+      compiled quantize runs scalar element loops, its attention op is eager torch code), the
+      op takes at least its elements or FLOPs at that rate.
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ import torch
 import torch.fx as fx
 
 from ..passes.graph_facts import concrete_int
-from ..ops import mx_mm_peak_bytes, quantize_scratch_bytes
-from .profiles import DeviceProfile
+from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
+from .profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
 MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
 QUANTIZE_SCHEMA_NAME = "mxcompile::quantize"
 MX_GEMM_DTYPE = "fp8"  # mxcompile::mx_mm runs at the device's (MX)FP8 tensor-core rate
+ATTENTION_SCHEMA_NAME = "mxcompile::attention"
+ATTENTION_BACKWARD_SCHEMA_NAME = "mxcompile::attention_backward"
+ATTENTION_FORWARD_GEMMS = 2  # S = Q K^T, O = P V
+ATTENTION_BACKWARD_GEMMS = 5  # S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
 
 _aten = torch.ops.aten
 _GEMM_TARGETS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default)
@@ -96,10 +106,9 @@ def is_alias(node: fx.Node) -> bool:
 # (1, 2, 512, 64), causal and not: forward 11.6-12.6, backward 17.8-18.6; rounded up.
 ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
     # schema name: (index of the query argument, fp32 query copies)
-    "mxcompile::attention": (0, 13),
-    "mxcompile::attention_backward": (1, 19),
+    ATTENTION_SCHEMA_NAME: (0, 13),
+    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 19),
 }
-FP32_BYTES = 4
 
 
 def _numel(arg: Any) -> int:
@@ -109,8 +118,7 @@ def _numel(arg: Any) -> int:
 
 def workspace_bytes(node: fx.Node) -> int:
     """Scratch bytes ``node`` holds while it runs, beyond its output (see the conventions)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    name = schema.name if schema is not None else ""
+    name = _schema_name(node)
     if name == MX_MM_SCHEMA_NAME:
         out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
         peak = mx_mm_peak_bytes(*(_numel(node.args[i]) for i in range(4)), _numel(node), out_dtype)
@@ -124,8 +132,7 @@ def workspace_bytes(node: fx.Node) -> int:
 
 
 def _is_mx_mm(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and schema.name == MX_MM_SCHEMA_NAME
+    return _schema_name(node) == MX_MM_SCHEMA_NAME
 
 
 def _val(arg: Any) -> torch.Tensor | None:
@@ -153,9 +160,41 @@ def _gemm_operands(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor] | None:
     return a, b
 
 
+def attention_flops(batch: int, heads: int, q_len: int, k_len: int, qk_width: int, v_width: int, *,
+                    backward: bool = False) -> int:
+    """FLOPs of the MX attention op's GEMMs (a causal mask is not subtracted: the CPU
+    implementation computes every key tile): per head ``2 * q_len * k_len * width`` for each
+    of its ``ATTENTION_FORWARD_GEMMS`` (forward) or ``ATTENTION_BACKWARD_GEMMS`` (backward)."""
+    width = (qk_width + v_width) / 2
+    gemms = ATTENTION_BACKWARD_GEMMS if backward else ATTENTION_FORWARD_GEMMS
+    return int(FLOPS_PER_MULTIPLY_ADD * gemms * batch * heads * q_len * k_len * width)
+
+
+def _schema_name(node: fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema.name if schema is not None else ""
+
+
+def _attention_node_flops(node: fx.Node) -> int:
+    backward = _schema_name(node) == ATTENTION_BACKWARD_SCHEMA_NAME
+    offset = 1 if backward else 0  # the backward's first argument is grad_out
+    q, k, v = (_val(node.args[offset + i]) for i in range(3))
+    if q is None or k is None or v is None:
+        return 0
+    *lead, q_len, qk_width = _dims(q)
+    k_len, v_width = _dims(k)[-2], _dims(v)[-1]
+    batch_heads = 1
+    for size in lead:
+        batch_heads *= size
+    return attention_flops(batch_heads, 1, q_len, k_len, qk_width, v_width, backward=backward)
+
+
 def node_flops(node: fx.Node) -> int:
     """Floating-point operations of ``node``: exact ``2 * M * N * K`` (times the batch) for
-    GEMMs, 0 for everything else (those are costed by bytes, see :func:`bytes_moved`)."""
+    GEMMs, :func:`attention_flops` for the MX attention ops, 0 for everything else (those are
+    costed by bytes, see :func:`bytes_moved`)."""
+    if _schema_name(node) in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME):
+        return _attention_node_flops(node)
     operands = _gemm_operands(node)
     if operands is None:
         return 0
@@ -182,12 +221,21 @@ def bytes_moved(node: fx.Node) -> int:
 
 
 def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
-    """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm``, else its
-    operand dtype (falling back to the nearest rate the profile has, then "fp32")."""
-    if _is_mx_mm(node):
+    """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm`` and the MX
+    attention ops on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's
+    dequantized operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the
+    nearest rate the profile has, then "fp32"."""
+    name = _schema_name(node)
+    mx = _is_mx_mm(node) or name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME)
+    if mx and profile.native_fp8_gemm:
         return MX_GEMM_DTYPE
-    operands = _gemm_operands(node)
-    dtype = operands[0].dtype if operands is not None else torch.float32
+    if _is_mx_mm(node):
+        out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
+        dtype = gemm_operand_dtype(out_dtype)
+    else:
+        operands = _gemm_operands(node)
+        value = _val(node.args[0]) if mx else (operands[0] if operands is not None else None)
+        dtype = value.dtype if value is not None else torch.float32
     for key in _DTYPE_KEYS.get(dtype, ("fp32",)):
         if key in profile.peak_flops:
             return key
@@ -195,11 +243,18 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
 
 
 def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
-    """Roofline estimate of ``node``'s run time on ``profile``, in seconds."""
+    """Estimate of ``node``'s run time on ``profile``, in seconds: the roofline, and at least
+    the op's measured rate where the profile has one (see the conventions)."""
     flops = node_flops(node)
     compute = flops / profile.flops(flops_dtype_key(node, profile)) if flops else 0.0
     memory = bytes_moved(node) / profile.memory_bandwidth
-    return max(compute, memory)
+    name = _schema_name(node)
+    measured = 0.0
+    if name == QUANTIZE_SCHEMA_NAME and QUANTIZE_RATE in profile.op_rates:
+        measured = _numel(node.args[0]) / profile.op_rates[QUANTIZE_RATE]
+    elif name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME) and ATTENTION_RATE in profile.op_rates:
+        measured = flops / profile.op_rates[ATTENTION_RATE]
+    return max(compute, memory, measured)
 
 
 def graph_time_s(graph: fx.Graph, profile: DeviceProfile) -> float:

@@ -1,0 +1,99 @@
+"""The memory planner's recompute-time estimate against the measured step overhead, side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/recompute_cost.py                  # gpt-small, budgets 0.5 0.3
+    OMP_NUM_THREADS=1 python benchmarks/recompute_cost.py --model gpt-tiny --fractions 0.3 --steps 3
+
+For each budget fraction f, the model (:func:`mxcompile.measure.steps.build_model`: next-token
+loss of the built-in GPT) is compiled with ``backend="mxfp8"`` (Inductor) with
+``memory_budget=f`` and without one; each runs ``--steps`` timed training steps after a warm-up
+step. The estimate is ``report.memory_plan["recompute_time_s"]`` of that compile (the planner's
+cost model, :mod:`mxcompile.cost`, on :func:`mxcompile.cost.profiles.measure_cpu_profile`); the
+measured overhead is the planned step's time minus the unplanned one's, the fastest step of each.
+
+Timing: with one torch thread (``OMP_NUM_THREADS=1``, recommended on a shared machine) a step is
+timed by the process's CPU time, which other processes on the same cores do not inflate, and
+the CPU profile is measured the same way; with more threads, by the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+DEFAULT_MODEL = "gpt-small"
+DEFAULT_FRACTIONS = (0.5, 0.3)
+MS = 1e3
+
+
+def _clock() -> Any:
+    import torch
+
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def step_time_and_plan(model: str, fraction: float | None, *, batch_size: int, steps: int) -> tuple[float, dict]:
+    """Fastest of ``steps`` timed training steps of ``model`` compiled with the mxfp8 backend at
+    ``fraction`` (None: no budget), and the compile's ``report.memory_plan`` ({} without one)."""
+    import torch
+
+    import mxcompile
+    from mxcompile.config import MemoryBudget
+    from mxcompile.measure.steps import build_model
+
+    torch._dynamo.reset()
+    module, args = build_model(model, batch_size)
+    options = {} if fraction is None else {"memory_budget": MemoryBudget.of_fraction(fraction)}
+    compiled = torch.compile(module, backend="mxfp8", options=options)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        compiled(*args).backward()
+
+    step()  # compiles
+    clock = _clock()
+    best = float("inf")
+    for _ in range(steps):
+        started = clock()
+        step()
+        best = min(best, clock() - started)
+    reports = mxcompile.report_of(module)
+    return best, dict(reports[-1].memory_plan or {}) if reports else {}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--fractions", nargs="+", type=float, default=list(DEFAULT_FRACTIONS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per compile (the fastest counts)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from mxcompile.cost.profiles import measure_cpu_profile
+
+    profile = measure_cpu_profile()
+    print(f"{args.model}, batch {args.batch}, {torch.get_num_threads()} thread(s), "
+          f"{'CPU time' if torch.get_num_threads() == 1 else 'wall time'}; profile {profile.name}: "
+          f"{profile.memory_bandwidth / 1e9:.1f} GB/s, fp32 {profile.flops('fp32') / 1e9:.1f} GFLOP/s, "
+          f"op rates {({k: f'{v:.3g}' for k, v in profile.op_rates.items()})}", flush=True)
+    base, _ = step_time_and_plan(args.model, None, batch_size=args.batch, steps=args.steps)
+    print(f"no budget: step {base * MS:.0f} ms", flush=True)
+    rows = []
+    print(f"{'budget':>6} {'step ms':>8} {'measured +ms':>12} {'estimated ms':>12} {'est/meas':>8}  recomputed")
+    for fraction in sorted(args.fractions, reverse=True):
+        planned, plan = step_time_and_plan(args.model, fraction, batch_size=args.batch, steps=args.steps)
+        measured = planned - base
+        estimated = plan.get("recompute_time_s", 0.0)
+        ratio = f"{estimated / measured:.2f}" if measured > 0 else "-"
+        print(f"{fraction:6.2f} {planned * MS:8.0f} {measured * MS:+12.0f} {estimated * MS:12.1f} {ratio:>8}  "
+              f"{len(plan.get('recomputed', []))} tensors: {', '.join(plan.get('recomputed', []))}", flush=True)
+        rows.append({"fraction": fraction, "step_s": planned, "base_step_s": base, "measured_overhead_s": measured,
+                     "estimated_recompute_s": estimated, "recomputed": plan.get("recomputed", [])})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Prices of the MX ops in the cost model: quantize, mx_mm and attention, on profiles with and
+without measured op rates and FP8 GEMMs. No timing: the profiles here are synthetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from mxcompile.config import MXConfig
+from mxcompile.cost.graph_costs import attention_flops, bytes_moved, node_flops, node_time_s
+from mxcompile.cost.profiles import ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
+from mxcompile.ops.attention import ATTENTION
+from mxcompile.ops.attention_reference import default_key_tile
+from mxcompile.ops.mx_mm import MX_MM
+from mxcompile.ops.quantize import QUANTIZE
+
+CONFIG = MXConfig()
+M, K, N = 64, 128, 96
+ATTENTION_SHAPE = (2, 3, 64, 32)  # (batch, heads, seq, head_dim)
+GIGA = 1e9
+
+
+def _profile(*, op_rates=None, native_fp8_gemm=True, fp32=10 * GIGA, bf16=20 * GIGA, fp8=40 * GIGA,
+             bandwidth=100 * GIGA) -> DeviceProfile:
+    op_rates = dict(op_rates or {})
+    sources = {"peak_flops.fp32": "a", "peak_flops.bf16": "b", "peak_flops.fp8": "c", "memory_bandwidth": "d",
+               "host_link_bandwidth": "e", **{f"op_rates.{key}": "f" for key in op_rates}}
+    return DeviceProfile(name="synthetic", peak_flops={"fp32": fp32, "bf16": bf16, "fp8": fp8},
+                         memory_bandwidth=bandwidth, host_link_bandwidth=bandwidth, sources=sources,
+                         op_rates=op_rates, native_fp8_gemm=native_fp8_gemm)
+
+
+def _graph(fn, *inputs: torch.Tensor) -> dict[str, fx.Node]:
+    """``fn`` traced, every node with its fake value; its first node of each op, by schema name."""
+    gm = fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(*inputs)
+    nodes = {}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            nodes.setdefault(schema.name, node)  # the first of each op
+    return nodes
+
+
+def _quantize_and_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a, a_scale = QUANTIZE(x, 1, CONFIG.forward_elem.value, CONFIG.scale_mode.value, CONFIG.block_size)
+    b, b_scale = QUANTIZE(w, 0, CONFIG.forward_elem.value, CONFIG.scale_mode.value, CONFIG.block_size)
+    return MX_MM(a, a_scale, b, b_scale, CONFIG.block_size, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def mx_nodes() -> dict[str, fx.Node]:
+    return _graph(_quantize_and_mm, torch.randn(M, K), torch.randn(K, N))
+
+
+def test_quantize_priced_at_least_its_bytes_over_bandwidth(mx_nodes):
+    quantize = mx_nodes["mxcompile::quantize"]
+    moved = M * K * 4 + M * K + M * K // CONFIG.block_size  # fp32 in, fp8 out, one scale byte per block
+    assert bytes_moved(quantize) == moved
+    profile = _profile()
+    assert node_time_s(quantize, profile) == pytest.approx(moved / profile.memory_bandwidth)
+
+
+def test_quantize_priced_at_its_measured_rate_when_slower_than_memory(mx_nodes):
+    quantize = mx_nodes["mxcompile::quantize"]
+    slow = _profile(op_rates={QUANTIZE_RATE: 1e6})  # elements/s, far below the memory roofline
+    assert node_time_s(quantize, slow) == pytest.approx(M * K / 1e6)
+    fast = _profile(op_rates={QUANTIZE_RATE: 1e15})  # a rate above the roofline never lowers the price
+    assert node_time_s(quantize, fast) == pytest.approx(bytes_moved(quantize) / fast.memory_bandwidth)
+
+
+def test_mx_mm_priced_at_fp8_only_with_fp8_gemms(mx_nodes):
+    mm = mx_nodes["mxcompile::mx_mm"]
+    flops = 2 * M * N * K
+    assert node_flops(mm) == flops
+    slow_memory = dict(bandwidth=1e15)  # so the GEMM is compute-bound
+    assert node_time_s(mm, _profile(**slow_memory)) == pytest.approx(flops / (40 * GIGA))
+    # Without FP8 GEMMs (a CPU) an fp32-output MX GEMM multiplies fp32 operands: the fp32 rate.
+    assert node_time_s(mm, _profile(native_fp8_gemm=False, **slow_memory)) == pytest.approx(flops / (10 * GIGA))
+
+
+def test_attention_priced_by_its_gemm_flops_and_measured_rate():
+    q, k, v = (torch.randn(ATTENTION_SHAPE) for _ in range(3))
+    batch, heads, seq, width = ATTENTION_SHAPE
+    tail = (CONFIG.scale_mode.value, CONFIG.block_size, default_key_tile(CONFIG.block_size))
+
+    def attend(q, k, v):
+        return ATTENTION(q, k, v, None, True, width**-0.5, CONFIG.attention.value, CONFIG.forward_elem.value, *tail)
+
+    node = _graph(attend, q, k, v)["mxcompile::attention"]
+    flops = 2 * 2 * batch * heads * seq * seq * width  # S = QK^T and O = PV
+    assert node_flops(node) == flops == attention_flops(batch, heads, seq, seq, width, width)
+    roofline = _profile(bandwidth=1e15)
+    assert node_time_s(node, roofline) == pytest.approx(flops / roofline.flops("fp8"))
+    measured = _profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8})
+    assert node_time_s(node, measured) == pytest.approx(flops / 1e8)
+
+
+def test_unknown_op_rate_is_an_error():
+    with pytest.raises(ValueError, match="unknown keys"):
+        _profile(op_rates={"softmax": 1.0})
+    with pytest.raises(ValueError, match="sources lacks"):
+        DeviceProfile(name="x", peak_flops={"fp32": 1.0, "bf16": 1.0, "fp8": 1.0}, memory_bandwidth=1.0,
+                      host_link_bandwidth=1.0, op_rates={QUANTIZE_RATE: 1.0},
+                      sources={"peak_flops.fp32": "a", "peak_flops.bf16": "b", "peak_flops.fp8": "c",
+                               "memory_bandwidth": "d", "host_link_bandwidth": "e"})
