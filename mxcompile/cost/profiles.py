@@ -380,7 +380,7 @@ def quantize_rate_child() -> None:
     times = []
     for axis in range(x.ndim):
         compiled = torch.compile(functools.partial(quantize_for_inductor, axis=axis, elem=config.forward_elem.value,
-                                                   mode=config.scale_mode.value, block_size=config.block_size))
+                                                   scale_mode=config.scale_mode.value, block_size=config.block_size))
         times.append(_best_over_threads(lambda: compiled(x)))
     print(json.dumps({"elements_per_s": x.numel() / statistics.fmean(times)}))
 
