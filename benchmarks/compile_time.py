@@ -15,11 +15,13 @@ Where mxfp8's time goes comes from torch's own compile-time counters
 also wraps around its own stages):
   dynamo        the frame compile less the backend call (bytecode analysis, graph capture)
   AOTAutograd   the rest: tracing the joint graph, partitioning, runtime wrappers, cache lookup
+                and loading cached graphs
   passes        mxcompile's pass pipeline (`mxcompile.passes`)
   partition     mxcompile's partition stage (min-cut, with the memory plan when one is set)
   decompose     `lowering.decompose_mx_ops`: the MX ops decomposed for Inductor
   Inductor      `compile_fx_inner` (its FX graph cache lookup included)
-and the cache counters: FX graph cache and AOTAutograd cache hits / misses / bypasses.
+and the cache counters: FX graph cache and AOTAutograd cache hits / misses / bypasses, with the
+count of C++ files Inductor compiled (cpp_files).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ GPT_SIZE = "small"
 FRAME_KEY = "_compile.compile_inner"
 BACKEND_KEY = "OutputGraph.call_user_compiler"
 INDUCTOR_KEY = "compile_fx_inner"
+CPP_COMPILE_KEY = "compile_file"  # one per C++ file Inductor compiles
 MX_KEYS = {"passes": PASSES_TIMER, "partition": PARTITION_TIMER, "decompose": DECOMPOSE_TIMER}
 CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                   ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
@@ -96,6 +99,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     first, second = step(), step()
     return {"first_step_s": first, "step_s": second,
             "metrics": {k: sum(v) for k, v in compilation_time_metrics.items()},
+            "cpp_files": len(compilation_time_metrics.get(CPP_COMPILE_KEY, [])),
             "counters": {f"{group}.{name}": counters[group][name] for group, name in CACHE_COUNTERS}}
 
 
@@ -126,7 +130,7 @@ def _median_row(results: list[dict[str, Any]]) -> dict[str, Any]:
     row = {"compile_s": statistics.median(r["compile_s"] for r in results)}
     stages = [breakdown(r) for r in results]
     row["stages"] = {k: statistics.median(s[k] for s in stages) for k in stages[0]}
-    row["counters"] = results[len(results) // 2]["counters"]
+    row["counters"] = {**results[len(results) // 2]["counters"], "cpp_files": results[len(results) // 2]["cpp_files"]}
     return row
 
 
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                                           if backend == "mxfp8" or k not in MX_KEYS) + "]"
                 for backend in BACKENDS))
             print(f"  {phase} cache counters: " + "  ".join(
-                f"{backend}[" + ", ".join(f"{k.split('.')[1]} {v}" for k, v in rows[(backend, phase)]["counters"].items() if v)
+                f"{backend}[" + ", ".join(f"{k.split('.')[-1]} {v}" for k, v in rows[(backend, phase)]["counters"].items() if v)
                 + "]" for backend in BACKENDS))
 
 

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._dynamo.utils import dynamo_timed
+from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
 
@@ -211,12 +211,14 @@ def compile_and_record(
     report = Report(config.to_dict())
     cacheable = lower is inductor_compiler
     key = report_key(gm, example_inputs, config) if cacheable else ""
+    hits_before = counters["aot_autograd"]["autograd_cache_hit"]
     with tagged(config) if cacheable else contextlib.nullcontext():
         compiled = compile_graph(gm, example_inputs, config, lower=lower, report=report, describe=False,
                                  cacheable=cacheable)
-    if cacheable and (report.passes or report.fallbacks):  # the pipeline ran: not served by a cache
+    served = counters["aot_autograd"]["autograd_cache_hit"] > hits_before  # the passes did not run
+    if cacheable and not served:
         store_report(key, report)
-    elif cacheable:
+    elif served:
         report = load_report(key) or report
         for fallback in report.fallbacks:
             warnings.warn(f"{fallback}; running this graph without the MXFP8 rewrite (loaded from the "
