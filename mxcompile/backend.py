@@ -205,11 +205,13 @@ def compile_and_record(
     """`compile_graph` without the description work, then the graph's report is kept in the
     history, logged in one line and, when it keeps too much in high precision, warned about.
 
-    With Inductor's lowering, torch's compile caches serve the graph when they can (keyed with
-    `compile_cache.cache_tag(config)`); the report of a graph they serve is the one stored when
-    it was compiled, and its fallback warnings are given again."""
+    With Inductor's lowering and no memory budget, torch's compile caches serve the graph when
+    they can (keyed with `compile_cache.cache_tag(config)`); the report of a graph they serve is
+    the one stored when it was compiled, and its fallback warnings are given again."""
     report = Report(config.to_dict())
-    cacheable = lower is inductor_compiler
+    # A memory plan depends on the device profile measured on this machine, which the cache key
+    # does not cover: graphs with a memory budget are compiled afresh every time.
+    cacheable = lower is inductor_compiler and config.memory_budget is None
     key = report_key(gm, example_inputs, config) if cacheable else ""
     hits_before = counters["aot_autograd"]["autograd_cache_hit"]
     with tagged(config) if cacheable else contextlib.nullcontext():
