@@ -62,7 +62,7 @@ def _linear(x, w, bias, also_return_product: bool):
 
     qa, qb = QUANTIZE(x, 1, "e4m3", "rceil", 32), QUANTIZE(w, 0, "e4m3", "rceil", 32)
     product = MX_MM(qa[0], qa[1], qb[0], qb[1], 32, torch.float32)
-    out = product + bias
+    out = torch.ops.aten.add.Tensor(product, bias)  # as in the aten graphs the lowering sees
     return (out, product) if also_return_product else out
 
 
