@@ -48,8 +48,38 @@ def _matmul(a, b, out_dtype):
     return torch.matmul(a, b).to(out_dtype)
 
 
+# Multiplying by one is exact (every float, signed zeros, infinities; NaNs stay NaNs).
+EXACT_IDENTITY_FACTOR = 1.0
+
+
+def _product_not_fused_with_bias(product: torch.Tensor) -> torch.Tensor:
+    """``product`` unchanged, in a form Inductor's post-grad pattern ``add(mm(a, b), bias) ->
+    addmm(bias, a, b)`` does not match.
+
+    That pattern fires only when the GEMM's output has no other user, and addmm rounds
+    differently (the bias enters the GEMM's accumulation): 1.57M of 4.19M elements of
+    ``gelu(x @ w + b)`` (4096x1024, fp32) differed when the forward stopped saving ``x @ w``.
+    So a memory plan that recomputes a GEMM output (the forward no longer saves it) changed
+    the forward's values, and the gradients by up to 3.4e-3 (relative) on a 12-layer MLP.
+    The multiplication fuses into the add's kernel (no extra pass over memory); it is applied
+    only where the GEMM feeds an add alone (:func:`_only_feeds_an_add`), where that holds."""
+    return product * EXACT_IDENTITY_FACTOR
+
+
+def _only_feeds_an_add(node: fx.Node) -> bool:
+    """Whether ``node``'s only user, through same-value dtype casts, is an ``aten.add``: the
+    case in which Inductor's addmm pattern can fuse them."""
+    while len(node.users) == 1:
+        (node,) = node.users
+        if node.target is torch.ops.aten.add.Tensor:
+            return True
+        if node.target is not torch.ops.prims.convert_element_type.default:
+            return False
+    return False
+
+
 # The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
-_LOWERING_HELPERS = (fake_quantize_for_inductor, dequantize_for_inductor, _matmul)
+_LOWERING_HELPERS = (fake_quantize_for_inductor, dequantize_for_inductor, _matmul, _product_not_fused_with_bias)
 
 
 def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
@@ -87,6 +117,8 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
                     operands.append(gm.graph.call_function(
                         dequantize_for_inductor, (data, scale, axis % ndim, block_size, operand_dtype)))
             product = gm.graph.call_function(_matmul, (*operands, out_dtype))
+            if _only_feeds_an_add(node):  # with more users the GEMM's output is stored: no addmm fusion
+                product = gm.graph.call_function(_product_not_fused_with_bias, (product,))
         node.replace_all_uses_with(product)
         gm.graph.erase_node(node)
         count += 1

@@ -419,7 +419,6 @@ def _measure_cpu() -> DeviceProfile:
     src = torch.ones(nbytes // FP32_BYTES)
     dst = torch.empty_like(src)
     copy_time = _best_over_threads(lambda: dst.copy_(src))
-    del src, dst
     flops["fp8"] = flops["bf16"]
     where = (
         f"measured by measure_cpu_profile() on {_cpu_model() or platform.machine()} "
