@@ -25,6 +25,15 @@ tensor storage the step allocated, which is what the planner models and what the
 The parameters and inputs are allocated before the step, so the peak to hold against a planner
 budget (whose baseline includes them) is that peak + parameter and input bytes.
 
+Matched budgets (the comparison with torch). The two fractions are defined differently (below),
+so equal f is not equal bytes. Each torch fraction f is converted to the bytes torch's step
+ends up using: its measured tensor-storage peak plus the parameter and input bytes (the plan's
+``input_bytes``). The mxfp8 backend is then run again with exactly that byte budget
+(``memory_budget="<n>B"``) and its peak measured the same way. The matched table prints, per
+torch fraction: the budget bytes, torch's peak and mxfp8's peak (both with the parameters and
+inputs), and whether mxfp8's peak is within the budget -- which, the budget being torch's peak,
+is also whether it is at or under torch's -- plus both step times at that equal memory.
+
 How the fractional budgets are defined -- they differ, so equal f is not equal bytes:
 
 * mxcompile (``AdapterResult.budget_for_fraction``, :mod:`mxcompile.planner.fx_adapter`):
@@ -108,6 +117,10 @@ class ModelResult:
     mx: dict[float | None, Measured] = field(default_factory=dict)
     torch: dict[float | None, Measured] = field(default_factory=dict)
     plans: dict[float, Planned] = field(default_factory=dict)
+    # Per torch fraction: the matched byte budget (torch's peak + parameters and inputs), and
+    # the mxfp8 step measured under it (see "Matched budgets" in the module docstring).
+    matched_budget: dict[float, int] = field(default_factory=dict)
+    matched: dict[float, Measured] = field(default_factory=dict)
 
 
 def _short(err: BaseException) -> str:
@@ -224,17 +237,30 @@ def run_model(model: str, fractions: tuple[float, ...], *, batch_size: int, warm
             result.plans[fraction] = plan_for(model, fraction, batch_size)
             log(f"  {model} explain budget {fraction}: {time.perf_counter() - started:.0f} s")
 
-    if jobs > 1:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(run, task) for task in tasks]
-            plans()
-            measured = [future.result() for future in futures]
-    else:
-        measured = [run(task) for task in tasks]
-        plans()
-    for (who, fraction, _, _), item in zip(tasks, measured):
+    def run_all(batch: list[tuple[str, float | None, str, dict[str, Any]]], also: Any = None) -> list[Measured]:
+        if jobs > 1:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+                futures = [pool.submit(run, task) for task in batch]
+                if also is not None:
+                    also()
+                return [future.result() for future in futures]
+        done = [run(task) for task in batch]
+        if also is not None:
+            also()
+        return done
+
+    for (who, fraction, _, _), item in zip(tasks, run_all(tasks, plans)):
         (result.mx if who == "mxfp8" else result.torch)[fraction] = item
     result.torch[1.0] = result.torch[None]
+    held = next((p.input_bytes for p in result.plans.values() if not p.error), None)
+    for fraction in fractions:
+        peak = result.torch[fraction].tensor_peak_bytes
+        if peak is not None and held is not None:
+            result.matched_budget[fraction] = peak + held
+    matched_tasks = [("mxfp8", f"{budget}B", MX_FACTORY, {**common, "memory_budget": f"{budget}B"})
+                     for budget in result.matched_budget.values()]
+    for fraction, item in zip(result.matched_budget, run_all(matched_tasks)):
+        result.matched[fraction] = item
     return result
 
 
@@ -243,6 +269,10 @@ def run_model(model: str, fractions: tuple[float, ...], *, batch_size: int, warm
 
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _ms(value: float | None, sign: bool = False) -> str:
@@ -268,8 +298,10 @@ def _monotone(peaks: list[int | None]) -> str:
 
 
 COLUMNS = (("budget", 6), ("budget MiB", 10), ("pred MiB", 8), ("mx MiB", 6), ("mx RSS", 6), ("torch MiB", 9),
-           ("torch RSS", 9), ("mx/torch", 8), ("mx+p/bud", 8), ("in bud", 6), ("<=torch", 7), ("rc est ms", 9),
+           ("torch RSS", 9), ("mx+p/bud", 8), ("in bud", 6), ("rc est ms", 9),
            ("mx ms", 6), ("mx +ms", 6), ("torch ms", 8), ("torch +ms", 9), ("solve s", 7), ("plan s", 6))
+MATCHED_COLUMNS = (("torch f", 7), ("budget B", 10), ("torch+p B", 10), ("mx+p B", 10), ("in bud", 6),
+                   ("torch ms", 8), ("mx ms", 6))
 
 
 def _peak(measured: Measured) -> int | None:
@@ -292,13 +324,12 @@ def table(result: ModelResult) -> list[str]:
         held = plan.input_bytes or plan.param_bytes  # parameters + inputs: resident before the step
         with_held = None if _peak(mx) is None or fraction is None else _peak(mx) + held
         in_budget = None if with_held is None or plan.budget_bytes is None else with_held <= plan.budget_bytes
-        below_torch = None if _peak(mx) is None or _peak(tc) is None else _peak(mx) <= _peak(tc)
         mx_over = None if mx.step_s is None or mx_base.step_s is None else mx.step_s - mx_base.step_s
         torch_over = None if tc.step_s is None or torch_base.step_s is None else tc.step_s - torch_base.step_s
         cells = (
             label, _mib(plan.budget_bytes), _mib(plan.predicted_peak_bytes),
             _mib(mx.tensor_peak_bytes), _mib(mx.step_peak_bytes), _mib(tc.tensor_peak_bytes), _mib(tc.step_peak_bytes),
-            _ratio(_peak(mx), _peak(tc)), _ratio(with_held, plan.budget_bytes), _flag(in_budget), _flag(below_torch),
+            _ratio(with_held, plan.budget_bytes), _flag(in_budget),
             _ms(plan.recompute_time_s), _ms(mx.step_s), _ms(mx_over, sign=True) if fraction is not None else "-",
             _ms(tc.step_s), _ms(torch_over, sign=True) if fraction is not None else "-",
             "-" if fraction is None or plan.error else f"{plan.solve_s:.2f}",
@@ -318,7 +349,27 @@ def table(result: ModelResult) -> list[str]:
                  f"modelled keep-everything peak {_mib(any_plan.keep_all_peak_bytes)} MiB, lowest reachable "
                  f"{_mib(any_plan.min_peak_bytes)} MiB; planned dynamo graphs: {graphs}"
                  + (" (budgets, peaks and times summed over graphs)" if graphs > 1 else ""))
+    lines.append("matched budgets (torch's fraction -> the bytes its step used; mxfp8 run with that byte budget):")
+    lines.extend(matched_table(result, any_plan.input_bytes))
+    errors.extend(f"matched {f:.2f} mxfp8: {m.error}" for f, m in result.matched.items() if m.error)
     lines.extend(f"error: {e}" for e in errors)
+    return lines
+
+
+def matched_table(result: ModelResult, held: int) -> list[str]:
+    """One row per torch fraction: the byte budget it maps to, torch's and mxfp8's peaks (with
+    the ``held`` parameter and input bytes) and whether mxfp8's is within it (see the module
+    docstring, "Matched budgets"). Bytes are exact, not rounded."""
+    lines = [" ".join(f"{name:>{width}}" for name, width in MATCHED_COLUMNS)]
+    for fraction in result.fractions:
+        budget = result.matched_budget.get(fraction)
+        mx = result.matched.get(fraction, Measured())
+        torch_peak = _peak(result.torch[fraction])
+        mx_held = None if _peak(mx) is None else _peak(mx) + held
+        cells = (f"{fraction:.2f}", _bytes(budget), _bytes(None if torch_peak is None else torch_peak + held),
+                 _bytes(mx_held), _flag(None if mx_held is None or budget is None else mx_held <= budget),
+                 _ms(result.torch[fraction].step_s), _ms(mx.step_s))
+        lines.append(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, MATCHED_COLUMNS)))
     return lines
 
 
@@ -331,7 +382,10 @@ mx MiB, torch MiB: measured peak of live tensor storage the step allocated (torc
 mx RSS, torch RSS: measured resident-set step peak (VmHWM - VmRSS before the step): adds allocator
   slack, fragmentation and Python noise
 mx+p/bud, in bud: (mx MiB + parameter and input bytes) / budget, and whether it is <= 1
-mx/torch, <=torch: mx MiB / torch MiB at the same f (different budget definitions, see --help)
+  (torch MiB at the same f is not a matched budget: the fractions differ, see --help)
+matched budgets: torch f, torch's fraction; budget B, torch's measured tensor peak + parameter
+  and input bytes; torch+p B, mx+p B: the two measured peaks with the parameters and inputs;
+  in bud: mx+p B <= budget B, i.e. mxfp8 at or under torch at that equal memory; ms: step times
 mx ms, torch ms: median step time; +ms: minus the same backend's no-budget step time (measured
   overhead); torch's default budget is 1.0, so its 1.00 row is its no-budget run
 solve s: planner solver wall time (plan_activation_memory + budget_curve); plan s: the whole
@@ -402,5 +456,6 @@ def main(argv: list[str] | None = None) -> dict[str, ModelResult]:
 
 if __name__ == "__main__":
     outcome = main()
-    failed = any(m.error for r in outcome.values() for m in (*r.mx.values(), *r.torch.values(), *r.plans.values()))
+    failed = any(m.error for r in outcome.values() for m in (*r.mx.values(), *r.torch.values(), *r.plans.values(),
+                                                          *r.matched.values()))
     sys.exit(1 if failed else 0)

@@ -8,7 +8,7 @@ gradients set to None first (so they count in the step's peak):
 * :func:`torch_budget_step`: the model compiled with torch.compile's default backend
   (Inductor), ``torch._functorch.config.activation_memory_budget`` set to the fraction;
 * :func:`mxfp8_budget_step`: the model compiled with ``backend="mxfp8"`` and
-  ``options={"memory_budget": fraction}``;
+  ``options={"memory_budget": budget}`` (a fraction, or bytes as ``"<n>B"``);
 * both take ``lower="eager"`` to skip Inductor code generation (same partitioners and
   budgets, much faster to compile, slower and more memory-hungry steps): for smoke tests;
 * :func:`timed_step`: wraps any factory; compiles and warms it up, then times every further
@@ -142,13 +142,15 @@ def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float |
     return _train_step(module, compiled, args, during=budget)
 
 
-def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = None,
+def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | str | None = None,
                       batch_size: int = DEFAULT_BATCH_SIZE, lower: str = "inductor") -> Step:
     """One forward+backward of ``model`` compiled with ``backend="mxfp8"`` and
-    ``options={"memory_budget": memory_budget}`` (None: no budget, no plan).
+    ``options={"memory_budget": memory_budget}`` (None: no budget, no plan): a fraction in
+    (0, 1] or a byte string such as ``"123456B"`` (:meth:`MemoryBudget.parse`).
     ``lower="eager"`` runs the same pipeline with eager lowering (no Inductor code
     generation: fast to compile, for smoke tests)."""
-    _check_fraction("memory_budget", memory_budget)
+    if not isinstance(memory_budget, str):
+        _check_fraction("memory_budget", memory_budget)
     check_choice("lower", lower, LOWERINGS)
     import torch
 
@@ -157,7 +159,9 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | None = Non
     from ..lowering import eager_compiler
 
     module, args = build_model(model, batch_size)
-    options = {} if memory_budget is None else {"memory_budget": MemoryBudget.of_fraction(memory_budget)}
+    budget = (None if memory_budget is None else MemoryBudget.parse(memory_budget) if isinstance(memory_budget, str)
+              else MemoryBudget.of_fraction(memory_budget))
+    options = {} if budget is None else {"memory_budget": budget}
     if lower == "inductor":
         compiled = torch.compile(module, backend="mxfp8", options=options)
     else:

@@ -88,10 +88,27 @@ def attention_op(
     return _attention_forward_torch(q, k, v, attn_mask, options)
 
 
+def _batch_mask(attn_mask: torch.Tensor | None, batch: int, index: int) -> torch.Tensor | None:
+    """The part of ``attn_mask`` (broadcastable to (batch, H, Tq, Tk)) for batch element ``index``."""
+    if attn_mask is None or attn_mask.ndim < 4 or attn_mask.shape[0] != batch:
+        return attn_mask
+    return attn_mask[index : index + 1]
+
+
 def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation."""
-    out, lse = attention_forward_impl(q, k, v, attn_mask, options)
-    return _empty_output(q, out.shape[-1]).copy_(out), sequence_major(lse)
+    """The op's outputs, in its layouts, from the torch implementation, run one batch element
+    at a time: its scratch (fp32 copies of the operands, `attention_reference`'s "Memory") is
+    that of one element, not of the batch. Every block of the MX quantization lies within one
+    (batch element, head), so the values are those of one batched call."""
+    batch, heads, q_len, _ = q.shape
+    out = _empty_output(q, v.shape[-1])
+    lse = _empty_sequence_major(q, (batch, heads, q_len), torch.float32)
+    for b in range(batch):
+        part = slice(b, b + 1)
+        out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, b), options)
+        out[part].copy_(out_b)
+        lse[part].copy_(lse_b)
+    return out, lse
 
 
 @attention_op.register_fake
@@ -129,9 +146,17 @@ def attention_backward_op(
 
 
 def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation."""
-    grads = attention_backward_impl(grad_out, q, k, v, attn_mask, out, lse, options)
-    return tuple(sequence_major(g) for g in grads)
+    """The op's outputs, in its layouts, from the torch implementation, one batch element at a
+    time (as `_attention_forward_torch`)."""
+    batch = q.shape[0]
+    grads = tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
+    for b in range(batch):
+        part = slice(b, b + 1)
+        parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, b),
+                                        out[part], lse[part], options)
+        for grad, grad_b in zip(grads, parts):
+            grad[part].copy_(grad_b)
+    return grads
 
 
 @attention_backward_op.register_fake
