@@ -91,7 +91,7 @@ def test_quick_table_prints_each_variant_and_the_spread_verdict(quick) -> None:
     results, stdout, _ = quick
     for name in QUICK_VARIANTS:
         row = results["summary"][name]
-        line = next(l for l in stdout.splitlines() if l.startswith(f"{name} "))
+        line = next(l for l in stdout.splitlines() if l.startswith(f"{name} ") and " ± " in l)  # a table row
         assert f"{row['final_mean']:.4f} ± {row['final_std']:.4f}" in line
         assert f"[{row['gap']['low']:+.4f}, {row['gap']['high']:+.4f}]" in line
     where = "within" if results["summary"]["mxfp8"]["within_baseline_spread"] else "outside"
