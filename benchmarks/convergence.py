@@ -21,8 +21,9 @@ evaluated eagerly, in --precision, on the same --eval-batches batches of the val
 (the corpus' last 10%, never trained on), so every variant is scored by the same forward.
 
 Writes convergence.json (settings, every per-seed curve, the summary) and convergence.png (mean
-curves with ± std bands over seeds) to --out. `--merge A.json B.json` combines result files of
-runs with equal settings (e.g. variants run in separate processes) and rewrites the summary.
+curves with ± std bands over seeds) to --out. A run without the baseline, or with one seed, is a
+part: it writes its runs only. `--merge A.json B.json ...` combines parts of the same command run
+with other --variants or --seeds (e.g. one process per variant and seed) and writes the summary.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ RESULTS_NAME = "convergence.json"
 PLOT_NAME = "convergence.png"
 # Settings that must agree between result files before --merge combines them.
 MERGE_KEYS = ("size", "d_model", "layers", "heads", "seq_len", "steps", "batch_size", "lr",
-              "texts", "eval_every", "eval_batches", "precision", "seeds")
+              "texts", "eval_every", "eval_batches", "precision")
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,10 @@ def summarize(runs: Mapping[str, dict]) -> dict:
     its Welch interval; whether the variant's mean lies within the baseline's mean ± std."""
     if runs.get(BASELINE, {}).get("status") != "ok":
         raise ValueError(f"the {BASELINE!r} variant is missing or failed; every gap is measured against it")
+    for name, entry in runs.items():
+        if entry["status"] == "ok" and len(entry["runs"]) < 2:
+            raise ValueError(f"variant {name!r} has {len(entry['runs'])} seed; std and intervals need 2 or "
+                             "more: run more --seeds, or --merge the parts run with other seeds")
     base_final = [r["val"][-1] for r in runs[BASELINE]["runs"]]
     base_mean, base_std = statistics.fmean(base_final), statistics.stdev(base_final)
     summary = {}
@@ -277,21 +282,29 @@ def settings_of(args: argparse.Namespace) -> dict:
 
 
 def merge(paths: Sequence[Path]) -> dict:
-    """Combine result files whose MERGE_KEYS settings agree; a variant in two files is an error."""
+    """Combine result files whose MERGE_KEYS settings agree: each variant's seeds are pooled
+    (sorted by seed); a (variant, seed) in two files is an error; a failed part's status wins."""
     loaded = [json.loads(Path(p).read_text()) for p in paths]
-    settings = loaded[0]["settings"]
-    runs: dict[str, dict] = {}
+    settings = dict(loaded[0]["settings"])
+    pooled: dict[str, dict] = {}
     for path, result in zip(paths, loaded):
         differ = [k for k in MERGE_KEYS if result["settings"][k] != settings[k]]
         if differ:
             raise ValueError(f"{path} was run with other settings ({', '.join(differ)}); "
-                             "merge only runs of the same command with other --variants")
+                             "merge only parts of the same command run with other --variants or --seeds")
         for name, entry in result["runs"].items():
-            if name in runs:
-                raise ValueError(f"variant {name!r} is in more than one file; give each once")
-            runs[name] = entry
-    ordered = {name: runs[name] for name in VARIANT_NAMES if name in runs}
-    return {"settings": settings, "runs": ordered}
+            into = pooled.setdefault(name, {"status": "ok", "runs": []})
+            seen = {r["seed"] for r in into["runs"]}
+            if any(r["seed"] in seen for r in entry["runs"]):
+                raise ValueError(f"variant {name!r} has a seed in more than one file ({path}); give each once")
+            into["runs"].extend(entry["runs"])
+            if entry["status"] != "ok":
+                into["status"] = entry["status"]
+    for entry in pooled.values():
+        entry["runs"].sort(key=lambda r: r["seed"])
+    settings["seeds"] = sorted({r["seed"] for entry in pooled.values() for r in entry["runs"]})
+    settings["wall_seconds"] = max(result["settings"].get("wall_seconds", 0.0) for result in loaded)
+    return {"settings": settings, "runs": {name: pooled[name] for name in VARIANT_NAMES if name in pooled}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -325,8 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.eval_every, args.eval_batches, args.batch_size = 6, 2, 2, 4
         args.texts, args.seeds = 1, [0, 1, 2]
         args.variants = [v for v in args.variants if v != "torchao-mx"]
-    if len(set(args.seeds)) < 2 or len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"--seeds {args.seeds}: give 2 or more distinct seeds (std and intervals need them)")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {args.seeds}: give each seed once")
     if args.steps % args.eval_every != 0:
         parser.error(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}; "
                      "the final step must be an eval step")
@@ -344,9 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
         results = {"settings": settings_of(args), "runs": run(args)}
         results["settings"]["wall_seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    if BASELINE not in results["runs"]:  # a part run in its own process: --merge it with the baseline's
+    if BASELINE not in results["runs"] or len(results["settings"]["seeds"]) < 2:
         (args.out / RESULTS_NAME).write_text(json.dumps(results, indent=1))
-        print(f"\nwrote {args.out / RESULTS_NAME} (no {BASELINE}: no summary; combine it with --merge)")
+        print(f"\nwrote {args.out / RESULTS_NAME}: a part (no {BASELINE}, or one seed); combine parts with --merge")
         return results
     results["summary"] = summarize(results["runs"])
     print_table(results)

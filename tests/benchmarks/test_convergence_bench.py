@@ -6,11 +6,12 @@ test, and --merge against the unsplit result."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,15 +23,9 @@ QUICK_SEEDS = [0, 1, 2]
 QUICK_VARIANTS = ("baseline", "mxfp8", "mx-noattn", "mx-e5m2-fwd")
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("convergence_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+def _module() -> SimpleNamespace:
+    """The script's functions (runpy registers its module while its dataclasses are built)."""
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT), run_name="convergence_benchmark"))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +91,7 @@ def test_quick_table_prints_each_variant_and_the_spread_verdict(quick) -> None:
     results, stdout, _ = quick
     for name in QUICK_VARIANTS:
         row = results["summary"][name]
-        line = next(l for l in stdout.splitlines() if l.startswith(f"{name} "))
+        line = next(l for l in stdout.splitlines() if l.startswith(f"{name} ") and " ± " in l)  # a table row
         assert f"{row['final_mean']:.4f} ± {row['final_std']:.4f}" in line
         assert f"[{row['gap']['low']:+.4f}, {row['gap']['high']:+.4f}]" in line
     where = "within" if results["summary"]["mxfp8"]["within_baseline_spread"] else "outside"
@@ -123,21 +118,31 @@ def test_quick_plot_bands_are_mean_plus_minus_std_of_the_seeds(quick) -> None:
 
 
 @pytest.mark.slow
-def test_merge_of_split_runs_equals_the_whole(quick, tmp_path: Path) -> None:
+def test_merge_of_parts_equals_the_whole(quick, tmp_path: Path) -> None:
+    """Parts split by variant and by seed, merged in any order, give the unsplit runs and summary."""
     results, _, _ = quick
     module = _module()
-    first = {"settings": results["settings"], "runs": {k: results["runs"][k] for k in QUICK_VARIANTS[:2]}}
-    second = {"settings": results["settings"], "runs": {k: results["runs"][k] for k in QUICK_VARIANTS[2:]}}
-    paths = [tmp_path / "a.json", tmp_path / "b.json"]
-    for path, part in zip(paths, (second, first)):  # order of files does not matter
-        path.write_text(json.dumps(part))
-    merged = module.merge(paths)
+    paths = []
+    for name in QUICK_VARIANTS:
+        for run in results["runs"][name]["runs"]:
+            settings = {**results["settings"], "seeds": [run["seed"]]}
+            path = tmp_path / f"{name}-{run['seed']}.json"
+            path.write_text(json.dumps({"settings": settings, "runs": {name: {"status": "ok", "runs": [run]}}}))
+            paths.append(path)
+    merged = module.merge(paths[::-1])
     assert merged["runs"] == results["runs"]
+    assert merged["settings"]["seeds"] == QUICK_SEEDS
     assert module.summarize(merged["runs"]) == results["summary"]
-    other = {"settings": {**results["settings"], "steps": results["settings"]["steps"] + 1}, "runs": {}}
+    with pytest.raises(ValueError, match="more than one file"):
+        module.merge([paths[0], paths[0]])
+    other = json.loads(paths[1].read_text())
+    other["settings"]["steps"] += 1
     paths[1].write_text(json.dumps(other))
     with pytest.raises(ValueError, match="other settings"):
         module.merge(paths)
+    one_seed = {name: {"status": "ok", "runs": entry["runs"][:1]} for name, entry in results["runs"].items()}
+    with pytest.raises(ValueError, match="2 or more"):
+        module.summarize(one_seed)
 
 
 def test_welch_interval_matches_scipy() -> None:
@@ -153,8 +158,8 @@ def test_welch_interval_matches_scipy() -> None:
         module.welch_interval([1.0], b)
 
 
-def test_one_seed_is_refused() -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--seeds", "0"], cwd=REPO,
+def test_a_repeated_seed_is_refused() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--seeds", "0", "1", "0"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "2 or more distinct seeds" in result.stderr
+    assert "give each seed once" in result.stderr
