@@ -146,7 +146,7 @@ def format_table(n: int, rows: list[Row]) -> str:
         gbps = r.bytes_moved / r.seconds / 1e9
         if r.name in MIN_COPY_BANDWIDTH_SHARE:
             share, wanted = gbps / copy_gbps, MIN_COPY_BANDWIDTH_SHARE[r.name]
-            note += f"; {share:.0%} of copy_'s GB/s (target >= {wanted:.0%}: {'met' if share >= wanted else 'MISSED'})"
+            note += f" | {share:.0%} of copy_'s GB/s (target >= {wanted:.0%}: {'met' if share >= wanted else 'MISSED'})"
         lines.append(f"  {r.name:<31} {r.seconds * 1e3:>9.2f} {gbps:>8.1f} {ratio:>8.2f}  {note}")
     return "\n".join(lines)
 
