@@ -28,6 +28,7 @@ from .scales import (
     e8m0_from_bytes,
     inverse_scale_fp32_from_bytes,
     scale_bytes_from_amax,
+    scale_fp32_from_amax,
     scale_fp32_from_bytes,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "quantize_along",
     "quantize_mx",
     "scale_bytes_from_amax",
+    "scale_fp32_from_amax",
     "scale_fp32_from_bytes",
     "scale_mode_named",
     "split_blocks",

@@ -109,3 +109,57 @@ def bytes_from_e8m0(scale: torch.Tensor) -> torch.Tensor:
         bits = scale.to(torch.float32).view(torch.int32)
         return ((bits >> F32_MANTISSA_BITS) & F32_EXPONENT_MASK).to(torch.uint8)
     return scale.view(torch.uint8)
+
+
+# Float-only scale computation (see `scale_fp32_from_amax`).
+_E8M0_MIN_FP32 = 2.0 ** -E8M0_BIAS
+_E8M0_MAX_FP32 = 2.0 ** (E8M0_MAX_BYTE - E8M0_BIAS)
+# Inputs are brought into [2**-RANGE, 2**RANGE] by an exact power-of-two factor, where the
+# one-bit Veltkamp split below neither overflows (needs |w| < 2**(128 - 23)) nor meets
+# subnormals (every fp32 subnormal times 2**RANGE is normal: 2**-149 * 2**64 = 2**-85).
+_POW2_RANGE_EXPONENT = 64
+# Veltkamp's splitter for one significant bit: c = w * (2**23 + 1), w - (c - (c - w)) ... keeps
+# the top bit of w rounded to nearest, i.e. one of the two powers of two around w.
+_ONE_BIT_SPLITTER = float(2**F32_MANTISSA_BITS + 1)
+
+
+def _nearby_power_of_two(w: torch.Tensor) -> torch.Tensor:
+    """For w >= 0 in [2**-85, 2**64] (or 0): one of the two powers of two bracketing w (0 for 0)."""
+    c = w * _ONE_BIT_SPLITTER
+    return c - (c - w)
+
+
+def scale_fp32_from_amax(amax: torch.Tensor, fmt: ElemFormat, scale_mode: ScaleMode) -> torch.Tensor:
+    """The fp32 block scale 2**(b - 127) of the byte b = `scale_bytes_from_amax(amax)` (NaN for
+    0xFF), computed with fp32 multiplies, adds, comparisons and selects only.
+
+    Equal bit for bit to `scale_fp32_from_bytes(scale_bytes_from_amax(amax, ...))`
+    (tests/numerics/test_scales.py checks every exponent with edge and random mantissas), but
+    free of int/float bitcasts, which Inductor's CPU code generation runs element by element:
+    this form vectorizes, so the quantize kernels compute scales inside their fused loops.
+
+    Each rule is a power of two next to a value v (amax, or the rceil descale): a one-bit
+    Veltkamp split gives a power of two p within a factor 2 of v, one comparison turns it into
+    floor (p <= v) or ceil (p >= v). The power-of-two factors (range scaling, 2**-emax) are
+    exact; products below 2**-127 may underflow, and the clamp to the E8M0 range maps them to
+    2**-127 as the byte clamp does.
+    """
+    finite = torch.isfinite(amax)
+    value = amax * _reciprocal_max_fp32(fmt) if scale_mode is ScaleMode.RCEIL else amax
+    value = torch.where(finite, value, 0.0)
+    big, small = 2.0**_POW2_RANGE_EXPONENT, 2.0**-_POW2_RANGE_EXPONENT
+    into_range = torch.where(value >= big, small, torch.where(value < small, big, 1.0))
+    w = value * into_range
+    p = _nearby_power_of_two(w)
+    if scale_mode in (ScaleMode.RCEIL, ScaleMode.CEIL):
+        p = torch.where(p < w, p * 2.0, p)
+    else:
+        p = torch.where(p > w, p * 0.5, p)
+        if scale_mode is ScaleMode.EVEN:
+            # Rounding amax half up to the element's mantissa width carries into the next
+            # power of two iff amax >= p * (2 - 2**-(mantissa_bits + 1)).
+            p = torch.where(w >= p * (2.0 - 2.0 ** -(fmt.mantissa_bits + 1)), p * 2.0, p)
+    if scale_mode is not ScaleMode.RCEIL:
+        p = p * 2.0**-fmt.emax
+    scale = (p * (1.0 / into_range)).clamp(_E8M0_MIN_FP32, _E8M0_MAX_FP32)
+    return torch.where(finite, scale, float("nan"))

@@ -1,6 +1,6 @@
 """Every `torch.library` op of mxcompile, one module per op family:
 
-    quantize   mxcompile::quantize, mxcompile::dequantize, mxcompile::block_scales
+    quantize   mxcompile::quantize, mxcompile::dequantize
     mx_mm      mxcompile::mx_mm
     attention  mxcompile::attention, mxcompile::attention_backward
                (reference: attention_reference; eligibility: attention_checks)

@@ -1,5 +1,4 @@
-"""The MX quantize / dequantize ops: `mxcompile::quantize`, `mxcompile::dequantize` and the
-per-block helper `mxcompile::block_scales`.
+"""The MX quantize / dequantize ops: `mxcompile::quantize`, `mxcompile::dequantize`.
 
     mxcompile::quantize(x, axis, elem, scale_mode, block_size) -> (fp8 data, uint8 scale bytes)
     mxcompile::dequantize(data, scale, axis, block_size, dtype) -> dtype tensor
@@ -22,13 +21,11 @@ import logging
 import torch
 
 from ..numerics import (
-    E8M0_NAN,
     dequantize_along,
     elem_format,
-    inverse_scale_fp32_from_bytes,
     quantize_along,
     scale_bytes_from_amax,
-    scale_fp32_from_bytes,
+    scale_fp32_from_amax,
     split_blocks,
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
@@ -176,41 +173,6 @@ def _dequantize_fake(data, scale, axis, block_size, dtype):
     return data.new_empty(data.shape, dtype=dtype)
 
 
-@torch.library.custom_op("mxcompile::block_scales", mutates_args=())
-def block_scales_op(
-    amax: torch.Tensor, elem: str, scale_mode: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-block (uint8 scale bytes, fp32 scale, fp32 inverse scale) from fp32 block amax.
-
-    An op of its own in Inductor graphs on purpose: it runs once per block (1/32 of the
-    elements), whereas inlined into the fused element loop its int/float bitcasts would run,
-    unvectorized, once per element. Eager, and without an internal compile (which would
-    recompile for every new shape): in slices of QUANTIZE_SLICE_ELEMENTS blocks, so that each of
-    the dozen small ops works on cache-resident temporaries instead of fresh tensor-sized ones,
-    writing into preallocated outputs.
-    """
-    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    dense = amax.contiguous()
-    outputs = _block_scales_fake(dense, elem, scale_mode)
-    flat_amax, flat_outputs = dense.view(-1), [t.view(-1) for t in outputs]
-    for start in range(0, flat_amax.numel(), QUANTIZE_SLICE_ELEMENTS):
-        part = flat_amax[start:start + QUANTIZE_SLICE_ELEMENTS]
-        part_bytes = scale_bytes_from_amax(part, fmt, scale_mode)
-        values = (part_bytes, scale_fp32_from_bytes(part_bytes), inverse_scale_fp32_from_bytes(part_bytes))
-        for out, value in zip(flat_outputs, values):
-            out[start:start + QUANTIZE_SLICE_ELEMENTS].copy_(value)
-    if dense is amax:
-        return outputs
-    # The fake's layouts (those of amax).
-    return tuple(like.copy_(t) for like, t in zip(_block_scales_fake(amax, elem, scale_mode), outputs))
-
-
-@block_scales_op.register_fake
-def _block_scales_fake(amax, elem, scale_mode):
-    return (torch.empty_like(amax, dtype=torch.uint8), torch.empty_like(amax),
-            torch.empty_like(amax))
-
-
 def _is_transposed_contiguous(x: torch.Tensor) -> bool:
     """x is the transpose (of its last two dims) of a contiguous tensor, e.g. Wt of a linear."""
     return x.ndim >= 2 and not x.is_contiguous() and x.mT.is_contiguous()
@@ -221,11 +183,16 @@ def _swap_last_two(axis: int, ndim: int) -> int:
 
 
 def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int):
-    """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`) and their
-    (bytes, scale, inverse scale) from the per-block op."""
+    """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`), their scale
+    bytes (the numerics core's bitcast form: evaluated once per block, where the bytes are
+    stored), and their fp32 scales and inverse scales in the bitcast-free form
+    (`numerics.scale_fp32_from_amax`), which Inductor vectorizes inside the element loop."""
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
     blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    return blocks, block_scales_op(amax, elem, scale_mode)
+    scale = scale_fp32_from_amax(amax, fmt, scale_mode)
+    # 1 / 2**k is exact for every E8M0 scale (2**-127 .. 2**127); NaN stays NaN.
+    return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, 1.0 / scale
 
 
 def quantize_for_inductor(
@@ -239,12 +206,13 @@ def quantize_for_inductor(
         data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, scale_mode, block_size)
         return data.mT, scales.mT.contiguous()
     fmt = elem_format(elem)
-    blocks, (scale_bytes, _scale, inverse) = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
+    blocks, scale_bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     values = quantize_blocks(blocks, inverse, fmt)
-    # NaN blocks: the positive NaN, whatever NaN the arithmetic produced (fmt.nan_byte).
-    values = torch.where(scale_bytes == E8M0_NAN, float("nan"), values)
+    # NaN blocks (scale byte 0xFF, scale NaN): the positive NaN, whatever NaN the arithmetic
+    # produced (fmt.nan_byte).
+    values = torch.where(scale.isnan(), float("nan"), values)
     data = values.to(fmt.dtype).reshape(x.shape)
-    return data, scale_bytes.squeeze(axis + 1).contiguous()
+    return data, scale_bytes.to(torch.uint8).squeeze(axis + 1).contiguous()
 
 
 def fake_quantize_for_inductor(
@@ -256,7 +224,7 @@ def fake_quantize_for_inductor(
         swapped = _swap_last_two(axis, x.ndim)
         return fake_quantize_for_inductor(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
     fmt = elem_format(elem)
-    blocks, (_bytes, scale, inverse) = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
+    blocks, _bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     return fake_quantize_blocks(blocks, scale, inverse, fmt).to(dtype).reshape(x.shape)
 
 
@@ -275,10 +243,8 @@ def dequantize_for_inductor(
 # The overloads the graph passes insert.
 QUANTIZE = torch.ops.mxcompile.quantize.default
 DEQUANTIZE = torch.ops.mxcompile.dequantize.default
-BLOCK_SCALES = torch.ops.mxcompile.block_scales.default
 
-# The ops' definitions for Inductor, used to decompose them before Inductor lowers a graph
-# (mxcompile::block_scales stays an op: see its docstring).
+# The ops' definitions for Inductor, used to decompose them before Inductor lowers a graph.
 DECOMPOSITIONS: dict = {
     QUANTIZE: quantize_for_inductor,
     DEQUANTIZE: lambda *a: dequantize_for_inductor(*a).contiguous(),

@@ -54,7 +54,6 @@ def test_ops_fake_implementations_match_the_real_ones():
     x = torch.randn(64, 96)
     for args in ((x, 0, "e4m3", "rceil", 32), (x, 1, "e5m2", "floor", 32), (x.t(), 0, "e4m3", "even", 32)):
         torch.library.opcheck(torch.ops.mxcompile.quantize, args)
-    torch.library.opcheck(torch.ops.mxcompile.block_scales, (x.abs()[:, :3], "e4m3", "rceil"))
     data, scale = torch.ops.mxcompile.quantize(x, 0, "e4m3", "rceil", 32)
     torch.library.opcheck(torch.ops.mxcompile.dequantize, (data, scale, 0, 32, torch.bfloat16),
                           test_utils=FP8_INPUT_CHECKS)
@@ -72,29 +71,3 @@ def test_mx_ops_trace_with_fullgraph():
     x, w = torch.randn(32, 64), torch.randn(64, 32)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, w), step(x, w), rtol=0, atol=0)
-
-
-def test_block_scales_op_matches_the_numerics_core_without_compiling():
-    """The eager per-block op gives the numerics core's bytes, scales and inverse scales over
-    several slices (QUANTIZE_SLICE_ELEMENTS) and for a non-contiguous amax, and never starts a
-    torch.compile (an internal compile recompiled for every new shape, issue 16)."""
-    from torch._dynamo.utils import counters
-
-    from mxcompile.numerics import inverse_scale_fp32_from_bytes, scale_bytes_from_amax, scale_fp32_from_bytes
-    from mxcompile.ops.quantize import QUANTIZE_SLICE_ELEMENTS, block_scales_op
-
-    g = torch.Generator().manual_seed(0)
-    rows = 2 * QUANTIZE_SLICE_ELEMENTS // 64 + 3  # two full slices and a partial one
-    amax = (torch.randn(rows, 64, generator=g) * torch.exp2(torch.randint(-140, 128, (rows, 64), generator=g).float())).abs()
-    amax[0, :5] = torch.tensor([0.0, float("nan"), float("inf"), 2.0**-149, torch.finfo(torch.float32).max])
-    graphs = counters["stats"]["unique_graphs"]
-    for a in (amax, amax.t(), amax[:7, :3]):
-        for elem in sorted(ELEM_FORMATS):
-            for scale_mode in ScaleMode:
-                got = block_scales_op(a, elem, scale_mode.value)
-                want_bytes = scale_bytes_from_amax(a, ELEM_FORMATS[elem], scale_mode)
-                want = (want_bytes.to(torch.uint8), scale_fp32_from_bytes(want_bytes),
-                        inverse_scale_fp32_from_bytes(want_bytes))
-                assert [t.stride() for t in got] == [torch.empty_like(a).stride()] * 3
-                assert all(_same_bits(x, y) for x, y in zip(got, want)), (elem, scale_mode)
-    assert counters["stats"]["unique_graphs"] == graphs
