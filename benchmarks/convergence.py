@@ -1,7 +1,8 @@
 """Convergence over seeds: the built-in GPT trained on the offline Shakespeare corpus in high
 precision and in MXFP8 variants, several seeds each; validation loss on held-out text at fixed
 steps, mean ± std over seeds, and each variant's gap to the high-precision baseline with a 95%
-Welch t interval.
+Welch t interval, and with a paired t interval over the seeds (a seed fixes the initial weights
+and the batch order in every variant, so per-seed differences cancel the variation they share).
 
     python benchmarks/convergence.py --quick                       # tiny smoke run (the test's)
     python benchmarks/convergence.py --size tiny --steps 1000 --seeds 0 1 2 \\
@@ -185,6 +186,22 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     return {"diff": diff, "low": diff - t * se, "high": diff + t * se, "df": df, "t": t}
 
 
+def paired_interval(a: Mapping[int, float], b: Mapping[int, float], confidence: float = CONFIDENCE) -> dict | None:
+    """Mean over seeds of a[seed] - b[seed] with its two-sided t interval (n - 1 degrees of
+    freedom). Valid because a seed fixes the initial weights and the batch order in every
+    variant, so the seed-to-seed variation common to both cancels. None with fewer than 2
+    seeds in common."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    diffs = [a[seed] - b[seed] for seed in seeds]
+    diff = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    t = float(stats.t.ppf(0.5 + confidence / 2, len(diffs) - 1))
+    return {"diff": diff, "low": diff - t * se, "high": diff + t * se, "df": float(len(diffs) - 1), "t": t,
+            "seeds": seeds}
+
+
 def summarize(runs: Mapping[str, dict]) -> dict:
     """Per variant: mean and sample std over seeds of the validation curve and its final value;
     the gap of the final value to the baseline (absolute and percent of the baseline mean) with
@@ -197,6 +214,7 @@ def summarize(runs: Mapping[str, dict]) -> dict:
                              "more: run more --seeds, or --merge the parts run with other seeds")
     base_final = [r["val"][-1] for r in runs[BASELINE]["runs"]]
     base_mean, base_std = statistics.fmean(base_final), statistics.stdev(base_final)
+    base_by_seed = {r["seed"]: r["val"][-1] for r in runs[BASELINE]["runs"]}
     summary = {}
     for name, entry in runs.items():
         if entry["status"] != "ok":
@@ -205,6 +223,7 @@ def summarize(runs: Mapping[str, dict]) -> dict:
         curves = [r["val"] for r in entry["runs"]]
         final = [c[-1] for c in curves]
         gap = welch_interval(final, base_final)
+        paired = paired_interval({r["seed"]: r["val"][-1] for r in entry["runs"]}, base_by_seed)
         summary[name] = {
             "status": "ok",
             "seeds": [r["seed"] for r in entry["runs"]],
@@ -214,6 +233,9 @@ def summarize(runs: Mapping[str, dict]) -> dict:
             "final_std": statistics.stdev(final),
             "gap": gap,
             "gap_percent": {k: 100.0 * gap[k] / base_mean for k in ("diff", "low", "high")},
+            "paired_gap": paired,
+            "paired_gap_percent": None if paired is None else
+            {k: 100.0 * paired[k] / base_mean for k in ("diff", "low", "high")},
             "within_baseline_spread": abs(statistics.fmean(final) - base_mean) <= base_std,
             "seconds_per_run": statistics.fmean(r["seconds"] for r in entry["runs"]),
         }
@@ -230,15 +252,18 @@ def print_table(results: Mapping[str, Any]) -> None:
     print(f"\nGPT {settings['config']}, {settings['steps']} steps, batch {settings['batch_size']}, "
           f"seeds {settings['seeds']}, baseline {base}; validation loss at step {settings['steps']}")
     print(f"{'variant':12} {'val loss mean ± std':>22} {'gap to ' + base + ' [95% CI]':>34} "
-          f"{'gap %':>24} {'s/run':>7}")
+          f"{'gap %':>24} {'paired gap % (same seeds)':>28} {'s/run':>7}")
     for name, row in summary.items():
         if row["status"] != "ok":
             print(f"{name:12} not run: {row['status']}")
             continue
-        gap, pct = row["gap"], row["gap_percent"]
+        gap, pct, paired = row["gap"], row["gap_percent"], row["paired_gap_percent"]
+        paired_text = "n/a" if paired is None else \
+            f"{paired['diff']:+.2f}% [{paired['low']:+.2f}, {paired['high']:+.2f}]"
         print(f"{name:12} {row['final_mean']:13.4f} ± {row['final_std']:.4f} "
               f"{gap['diff']:+10.4f} [{gap['low']:+.4f}, {gap['high']:+.4f}] "
-              f"{pct['diff']:+7.2f}% [{pct['low']:+.2f}, {pct['high']:+.2f}] {row['seconds_per_run']:7.0f}")
+              f"{pct['diff']:+7.2f}% [{pct['low']:+.2f}, {pct['high']:+.2f}] {paired_text:>28} "
+              f"{row['seconds_per_run']:7.0f}")
     if summary.get("mxfp8", {}).get("status") == "ok":
         print(spread_statement(summary, base))
 

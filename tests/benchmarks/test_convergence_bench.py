@@ -84,6 +84,13 @@ def test_quick_summary_is_computed_from_the_seeds(quick) -> None:
             assert gap["high"] == pytest.approx(expected.high, rel=1e-9)
         assert row["gap_percent"]["diff"] == pytest.approx(100 * gap["diff"] / base.mean(), rel=1e-12)
         assert row["within_baseline_spread"] == bool(abs(final.mean() - base.mean()) <= base.std(ddof=1))
+        paired = row["paired_gap"]  # every quick variant runs the baseline's seeds
+        assert paired["seeds"] == [r["seed"] for r in results["runs"]["baseline"]["runs"]]
+        assert paired["diff"] == pytest.approx((final - base).mean(), abs=1e-12)
+        if name != "baseline":
+            expected = stats.ttest_rel(final, base).confidence_interval(0.95)
+            assert paired["low"] == pytest.approx(expected.low, rel=1e-9)
+            assert paired["high"] == pytest.approx(expected.high, rel=1e-9)
 
 
 @pytest.mark.slow
@@ -156,6 +163,18 @@ def test_welch_interval_matches_scipy() -> None:
     assert got["t"] == pytest.approx(stats.t.ppf(0.975, got["df"]), rel=1e-12)
     with pytest.raises(ValueError, match="2 or more"):
         module.welch_interval([1.0], b)
+
+
+def test_paired_interval_matches_scipy_on_the_common_seeds() -> None:
+    module = _module()
+    a = {0: 2.51, 1: 2.47, 2: 2.55, 5: 9.0}  # seed 5 has no partner: left out
+    b = {0: 2.50, 1: 2.44, 2: 2.56, 3: 2.40}
+    got = module.paired_interval(a, b)
+    expected = stats.ttest_rel([2.51, 2.47, 2.55], [2.50, 2.44, 2.56]).confidence_interval(0.95)
+    assert got["seeds"] == [0, 1, 2]
+    assert got["low"] == pytest.approx(expected.low, rel=1e-12)
+    assert got["high"] == pytest.approx(expected.high, rel=1e-12)
+    assert module.paired_interval({0: 1.0, 1: 2.0}, {1: 2.0, 2: 3.0}) is None
 
 
 def test_a_repeated_seed_is_refused() -> None:
