@@ -84,13 +84,6 @@ def test_quick_summary_is_computed_from_the_seeds(quick) -> None:
             assert gap["high"] == pytest.approx(expected.high, rel=1e-9)
         assert row["gap_percent"]["diff"] == pytest.approx(100 * gap["diff"] / base.mean(), rel=1e-12)
         assert row["within_baseline_spread"] == bool(abs(final.mean() - base.mean()) <= base.std(ddof=1))
-        paired = row["paired_gap"]  # every quick variant runs the baseline's seeds
-        assert paired["seeds"] == [r["seed"] for r in results["runs"]["baseline"]["runs"]]
-        assert paired["diff"] == pytest.approx((final - base).mean(), abs=1e-12)
-        if name != "baseline":
-            expected = stats.ttest_rel(final, base).confidence_interval(0.95)
-            assert paired["low"] == pytest.approx(expected.low, rel=1e-9)
-            assert paired["high"] == pytest.approx(expected.high, rel=1e-9)
 
 
 @pytest.mark.slow
