@@ -7,7 +7,7 @@ For each budget fraction f, the model (:func:`mxcompile.measure.steps.build_mode
 loss of the built-in GPT) is compiled with ``backend="mxfp8"`` (Inductor) with
 ``memory_budget=f`` and without one; each runs ``--steps`` timed training steps after a warm-up
 step. The estimate is ``report.memory_plan["recompute_time_s"]`` of that compile (the planner's
-cost model, :mod:`mxcompile.cost`, on :func:`mxcompile.cost.profiles.measure_cpu_profile`); the
+cost model, :mod:`mxcompile.cost`, on :func:`mxcompile.calibration.cpu.measure_cpu_profile`); the
 measured overhead is the planned step's time minus the unplanned one's, the fastest step of each.
 
 Timing: with one torch thread (``OMP_NUM_THREADS=1``, recommended on a shared machine) a step is
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     import torch
 
-    from mxcompile.cost.profiles import measure_cpu_profile
+    from mxcompile.calibration.cpu import measure_cpu_profile
 
     profile = measure_cpu_profile()
     print(f"{args.model}, batch {args.batch}, {torch.get_num_threads()} thread(s), "

@@ -45,7 +45,8 @@ import torch.utils._pytree as pytree
 
 from ..config import MXConfig
 from ..ops import offload as offload_ops
-from ..cost.profiles import PROFILES, DeviceProfile, measure_cpu_profile
+from ..calibration.cpu import measure_cpu_profile
+from ..cost.profiles import PROFILES, DeviceProfile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
 from ..report import Report

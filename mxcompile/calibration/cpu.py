@@ -1,0 +1,266 @@
+"""This CPU's :class:`~mxcompile.cost.profiles.DeviceProfile`, measured once and cached.
+
+:func:`measure_cpu_profile` times small fp32 and bf16 matmuls, a DRAM copy and the MX ops that
+run below the roofline on CPUs (the Inductor-compiled quantize, the eager attention op), and
+caches the profile on disk keyed by the CPU model and instruction set (a profile measured on
+another host, e.g. one with AVX512-BF16, priced bf16 GEMMs 150x too fast on an AVX2-only one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import MXConfig
+from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
+from ..cost.profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from ..ops.attention import ATTENTION
+from ..ops.attention_reference import default_key_tile
+from ..ops.quantize import quantize_for_inductor
+
+CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
+CPU_PROFILE_FILE = "cpu_profile.json"
+CPU_PROFILE_FORMAT = 2  # bump when the measurement changes, to invalidate old caches
+
+CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
+CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
+CPU_LLC_COPIES = 4  # ...which is at least this many last-level caches, so DRAM is timed, not the cache
+LLC_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the compiled quantize timed for op_rates["quantize"]
+CPU_ATTENTION_SHAPE = (2, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for op_rates["attention"]
+QUANTIZE_CHILD_TIMEOUT_S = 600.0  # the child compiles one small graph with Inductor
+CPU_WARMUP_S = 0.05  # warm-up calls first (thread pools, kernel JIT): the first calls run far slower
+CPU_MIN_MEASURE_S = 0.1  # then each measurement repeats until at least this long has passed...
+CPU_MAX_REPEATS = 200  # ...or this many repeats
+COPY_TRAFFIC_FACTOR = 2  # a copy reads and writes every byte
+
+
+def cache_dir() -> Path:
+    """The on-disk cache directory: ``$MXCOMPILE_CACHE_DIR`` if set (read now, at call time),
+    else ``~/.cache/mxcompile``."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    return Path(override).expanduser() if override else DEFAULT_CACHE_DIR.expanduser()
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _fingerprint() -> dict[str, Any]:
+    return {
+        "format": CPU_PROFILE_FORMAT,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_model": _cpu_model(),
+        # The vector instruction set torch dispatches to (e.g. AVX2, AVX512): it sets every rate.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _best_time(fn) -> float:
+    """Fastest of repeated calls of ``fn`` after ``CPU_WARMUP_S`` of warm-up calls, repeating
+    for at least ``CPU_MIN_MEASURE_S`` or ``CPU_MAX_REPEATS`` calls. With one torch thread the
+    clock is the process's CPU time, which other processes sharing the cores do not inflate
+    (wall times of one op varied 3-10x on a shared 2-core host); with more, the wall clock."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    warm_until = time.perf_counter() + CPU_WARMUP_S
+    fn()
+    for _ in range(CPU_MAX_REPEATS):
+        if time.perf_counter() >= warm_until:
+            break
+        fn()
+    best = math.inf
+    started = time.perf_counter()
+    for _ in range(CPU_MAX_REPEATS):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+        if time.perf_counter() - started >= CPU_MIN_MEASURE_S:
+            break
+    return best
+
+
+def _best_over_threads(fn) -> float:
+    """:func:`_best_time` of ``fn`` at one torch thread and at the configured count, the
+    faster: a busy core stalls multi-threaded kernels at their barriers (shared machines)."""
+    threads = torch.get_num_threads()
+    try:
+        times = []
+        for count in sorted({1, threads}):
+            torch.set_num_threads(count)
+            times.append(_best_time(fn))
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs ``cache/index*/size`` of cpu0), 0 when unknown."""
+    sizes = []
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    for entry in LLC_SYSFS.glob("index*/size") if LLC_SYSFS.is_dir() else ():
+        text = entry.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=0)
+
+
+def copy_bytes() -> int:
+    """Bytes of the copy that times the memory bandwidth: ``CPU_COPY_BYTES``, or
+    ``CPU_LLC_COPIES`` last-level caches if more (a copy that fits the cache times the cache:
+    a 32 MiB copy under a 32 MiB L3 measured 600 GB/s on a 2-core host whose DRAM copies run
+    at 17 GB/s)."""
+    return max(CPU_COPY_BYTES, CPU_LLC_COPIES * llc_bytes())
+
+
+def _attention_rate() -> float:
+    """FLOP/s of ``mxcompile::attention`` on this CPU: its eager (key-tiled, quantizing) torch
+    implementation is what Inductor calls on CPU (the op is opaque there), timed on
+    ``CPU_ATTENTION_SHAPE``, FLOPs counted by :func:`mxcompile.cost.graph_costs.attention_flops`."""
+
+    config = MXConfig()
+    batch, heads, seq, width = CPU_ATTENTION_SHAPE
+    q, k, v = (torch.randn(CPU_ATTENTION_SHAPE) for _ in range(3))
+    args = (q, k, v, None, False, width**-0.5, config.attention.value, config.forward_elem.value,
+            config.scale_mode.value, config.block_size, default_key_tile(config.block_size))
+    return attention_flops(batch, heads, seq, seq, width, width) / _best_over_threads(lambda: ATTENTION(*args))
+
+
+def quantize_rate_child() -> None:
+    """Run in a child process by :func:`_compiled_quantize_rate`: print the input elements per
+    second of ``mxcompile::quantize`` as Inductor compiles it on CPU (its Inductor form, along
+    each axis of a ``CPU_QUANTIZE_SHAPE`` fp32 tensor; the mean of the two times). The child
+    inherits the parent's thread count through ``OMP_NUM_THREADS`` (set by the parent)."""
+
+    config = MXConfig()
+    x = torch.randn(CPU_QUANTIZE_SHAPE)
+    times = []
+    for axis in range(x.ndim):
+        compiled = torch.compile(functools.partial(quantize_for_inductor, axis=axis, elem=config.forward_elem.value,
+                                                   scale_mode=config.scale_mode.value, block_size=config.block_size))
+        times.append(_best_over_threads(lambda: compiled(x)))
+    print(json.dumps({"elements_per_s": x.numel() / statistics.fmean(times)}))
+
+
+def _compiled_quantize_rate() -> float:
+    """Input elements/s of the MX quantize Inductor generates on this CPU, measured in a fresh
+    process (a compile inside the backend's own compile would nest Dynamo and run under the
+    graph's fake mode). Its element loops are scalar (Inductor's CPU code emits int<->float
+    bitcasts element by element): measured 0.16-0.24 G elements/s on a 2-core AVX2 host, 4x
+    slower per element than its memory traffic at that host's copy bandwidth."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH")))),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    code = "from mxcompile.calibration.cpu import quantize_rate_child; quantize_rate_child()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=QUANTIZE_CHILD_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring the compiled MX quantize's rate failed (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["elements_per_s"])
+
+
+def _measure_cpu() -> DeviceProfile:
+    n = CPU_MATMUL_SIZE
+    thread_counts = sorted({1, torch.get_num_threads()})
+    flops = {}
+    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        flops[key] = FLOPS_PER_MULTIPLY_ADD * n**3 / _best_over_threads(lambda: torch.mm(a, b))
+    nbytes = copy_bytes()
+    src = torch.ones(nbytes // FP32_BYTES)
+    dst = torch.empty_like(src)
+    copy_time = _best_over_threads(lambda: dst.copy_(src))
+    flops["fp8"] = flops["bf16"]
+    where = (
+        f"measured by measure_cpu_profile() on {_cpu_model() or platform.machine()} "
+        f"({torch.backends.cpu.get_cpu_capability()}; best over {thread_counts} torch threads, CPU time at 1)"
+    )
+    return DeviceProfile(
+        name=f"CPU ({_cpu_model() or platform.machine()})",
+        peak_flops=flops,
+        memory_bandwidth=COPY_TRAFFIC_FACTOR * nbytes / copy_time,
+        host_link_bandwidth=nbytes / copy_time,
+        op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), ATTENTION_RATE: _attention_rate()},
+        native_fp8_gemm=False,
+        sources={
+            "peak_flops.fp32": f"{where}: best of repeated {n}x{n} fp32 torch.mm",
+            "peak_flops.bf16": f"{where}: best of repeated {n}x{n} bf16 torch.mm",
+            "peak_flops.fp8": (
+                "set equal to bf16: CPUs have no FP8 arithmetic; an (MX)FP8 GEMM on CPU upcasts its "
+                "operands and runs as a GEMM of their dtype (native_fp8_gemm=False prices it at that rate)"
+            ),
+            "memory_bandwidth": (
+                f"{where}: {nbytes} B fp32 tensor copy (at least {CPU_LLC_COPIES}x the last-level cache), "
+                "read + write bytes per second"
+            ),
+            "host_link_bandwidth": (
+                f"{where}: on CPU device and host memory are the same DRAM, so an offload is a "
+                "memory copy; bytes copied per second"
+            ),
+            f"op_rates.{QUANTIZE_RATE}": (
+                f"{where}: input elements/s of mxcompile::quantize compiled by Inductor "
+                f"(fp32 {CPU_QUANTIZE_SHAPE}, mean over both axes), timed in a fresh process with its default threads"
+            ),
+            f"op_rates.{ATTENTION_RATE}": (
+                f"{where}: FLOP/s of the eager mxcompile::attention forward (the op Inductor calls on CPU) "
+                f"at (batch, heads, seq, head_dim) = {CPU_ATTENTION_SHAPE}"
+            ),
+        },
+    )
+
+
+def measure_cpu_profile(*, refresh: bool = False) -> DeviceProfile:
+    """Profile of this CPU: small fp32 and bf16 matmul timings, a memory-copy bandwidth (fp8 =
+    bf16, see its source string), and the rates of the compiled MX quantize and of the MX
+    attention op (``op_rates``). Measured once (the quantize's compile makes that tens of
+    seconds), then read from ``cache_dir()/cpu_profile.json`` while the machine fingerprint
+    (architecture, CPU model, instruction set, core count, torch version and threads) matches;
+    ``refresh=True`` measures again."""
+    path = cache_dir() / CPU_PROFILE_FILE
+    fingerprint = _fingerprint()
+    if not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("fingerprint") == fingerprint:
+                return DeviceProfile.from_dict(data["profile"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or stale cache: measure again and overwrite it
+    profile = _measure_cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = json.dumps({"fingerprint": fingerprint, "profile": profile.to_dict()}, indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_profile.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(payload)
+        os.replace(tmp, path)  # atomic: concurrent processes never see a partial file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return profile
