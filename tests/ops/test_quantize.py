@@ -32,20 +32,31 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _quantize_and_fake_quantize(x, axis, elem, scale_mode):
+    """Both Inductor forms in one graph: one compile per case instead of two."""
+    return (quantize_for_inductor(x, axis, elem, scale_mode, 32),
+            fake_quantize_for_inductor(x, axis, elem, scale_mode, 32, torch.float32))
+
+
+def _axes(dtype: torch.dtype) -> tuple[int, ...]:
+    """Every scale mode along the last axis; the first axis (strided blocks) once per element
+    format, in fp32 (the dtype only changes the load, which the last axis covers): 24 Inductor
+    compiles for the whole test instead of 64, to keep CI within its time budget."""
+    return (1, 0) if dtype == torch.float32 else (1,)
+
+
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
     x = _special_data().to(dtype)
-    compiled = torch.compile(quantize_for_inductor, dynamic=False)
-    fake_quantize = torch.compile(fake_quantize_for_inductor, dynamic=False)
+    compiled = torch.compile(_quantize_and_fake_quantize, dynamic=False)
     for scale_mode in ScaleMode:
-        for axis in (0, 1):
+        for axis in _axes(dtype):
             want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
-            got_data, got_scale = compiled(x, axis, elem, scale_mode.value, 32)
+            (got_data, got_scale), got = compiled(x, axis, elem, scale_mode.value)
             assert _same_bits(got_scale, want_scale), (scale_mode, axis)
             assert _same_bits(got_data, want_data), (scale_mode, axis)
             want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
-            got = fake_quantize(x, axis, elem, scale_mode.value, 32, torch.float32)
             same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
             assert same.all(), (scale_mode, axis)
 
