@@ -21,7 +21,7 @@ import mxcompile
 from mxcompile.config import MemoryBudget
 from mxcompile.examples.mlp import MLP, MLPConfig
 
-LAYERS = 4
+LAYERS = 2
 WIDTH = 1024
 BATCH = 4096
 FRACTIONS = (0.5, 0.3)
