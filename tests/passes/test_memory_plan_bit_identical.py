@@ -4,12 +4,12 @@ bit-identical to the unplanned step's, under Inductor (issue 18).
 The bug showed on a 12-layer Linear + GELU MLP with 4096 x 1024 activations: the plan
 recomputes GEMM outputs; a forward that no longer saved ``x @ w`` let Inductor fuse the bias
 add into the GEMM (addmm), which rounds differently, and the gradients moved by up to 3.4e-3
-(relative). Four such layers, same activations, reproduce it (2.98e-3 on the first weight's
-gradient at 0.5 without the fix) at a third of the compile time, so the test uses four.
-Smaller batches (512) leave nothing to recompute at these budgets and the test would pass
-vacuously; it asserts that the plan recomputes.
+(relative); four layers reproduced it (2.98e-3 at 0.5 without the fix). The test uses two
+layers for CI time: the property holds at any depth where the plan recomputes something, which
+the test asserts (smaller batches, e.g. 512, leave nothing to recompute), and the structural
+test below checks the guard itself.
 
-Three Inductor compiles (no budget, 0.5, 0.3): about 100-130 s each on 2 busy cores.
+Three Inductor compiles (no budget, 0.5, 0.3): 284 s in all on 2 cores under a load of 3.
 """
 
 from __future__ import annotations
