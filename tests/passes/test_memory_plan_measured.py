@@ -120,10 +120,11 @@ def test_gradients_bit_identical_under_every_budget(measured) -> None:
                 assert torch.equal(grad, grads[name]), (fraction, name)
 
 
-@pytest.mark.skip(reason=(
-    "known gap (issue 18 part 2, open): on the merged tree of 2026-12-03 the Inductor step at 0.5 "
-    "measured 32219144 B against a budget of 31887872 B (+1.0%); not yet found; the test also took "
-    "636 s cold"))
 def test_inductor_peak_within_budget_at_half_the_activation_memory() -> None:
+    """Under Inductor the planned step peaks at or under its budget too. Inductor's buffer reuse
+    held a dead 2 MiB MLP gradient across the next attention backward (whose scratch Inductor's
+    own estimate does not see): 32743432 B against 32424448 B until the lowering turned buffer
+    reuse off for planned graphs (then 25864208 B). One compile of the small GPT (~500 s cold on
+    2 busy cores): the tiny GPT does not reach the budget."""
     plan, peak, _ = _measure(_small_gpt, 0.5, lower=inductor_compiler)
-    assert peak <= plan["budget_bytes"] - plan["input_bytes"]
+    assert peak <= plan["budget_bytes"] - plan["input_bytes"], (peak, plan["budget_bytes"] - plan["input_bytes"])
