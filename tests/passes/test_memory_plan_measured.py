@@ -2,8 +2,8 @@
 allocator events) of one training step of the small GPT and a small HF Llama, each with its
 loss inside the compiled graph, at 100%, 75%, 50% and 30% of the activation memory a plan can
 take off the peak. Eager lowering runs the rewritten graphs op by op, so the measured peak is
-the planner's own model of the step; Inductor is checked once (it fuses, so it may only be
-lower)."""
+the planner's own model of the step; Inductor is checked once (it fuses, and planned graphs
+compile without its buffer reuse, so its peak stays at or under the model's)."""
 
 from __future__ import annotations
 
