@@ -21,7 +21,9 @@ Conventions
       peak of its torch reference, :func:`mxcompile.ops.mx_mm_peak_bytes`: fp32 copies made
       while dequantizing each operand, then both operands in the GEMM's operand dtype;
       Inductor's decomposed form holds those two operands too) and the eager quantize op (bounded by its
-      slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`).
+      slice, :data:`mxcompile.ops.QUANTIZE_SLICE_ELEMENTS`); and for the eager ATen kernels that
+      allocate beside their output (:func:`aten_scratch_bytes`: wrapped scalars, the embedding
+      backward's masked copies, an integer sum's widened copy), measured with the allocator.
     * Time is the roofline ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``, where
       ``mxcompile::mx_mm`` runs at the FP8 rate on devices with FP8 GEMMs and at its operands'
       dtype (:func:`mxcompile.ops.gemm_operand_dtype`) elsewhere (CPUs dequantize first). Where
@@ -113,6 +115,36 @@ ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
 }
 
 
+# Scratch of eager ATen CPU kernels, seen in torch.profiler's allocator events of the small GPT
+# and Llama steps (eager lowering): a kernel given a Python number (mul(x, 0.5), ne(x, -100)) or
+# dividing by a count (mean) wraps it in a 0-dim double tensor and may cast that to its own dtype
+# while it runs (12 bytes measured; counted as two 8-byte scalars for every ATen op);
+# the embedding backward (_unsafe_masked_index_put_accumulate) holds masked copies of its indices,
+# mask and values beside its output; a sum of bools or integers first copies its input in the
+# (wider) result dtype.
+ATEN_NAMESPACES = ("aten", "prims")
+WRAPPED_SCALARS_PER_OP = 2
+WRAPPED_SCALAR_BYTES = 8  # a 0-dim double (or int64)
+MASKED_INDEX_PUT_ACCUMULATE = "aten::_unsafe_masked_index_put_accumulate"
+SUM_SCHEMA_NAME = "aten::sum"
+
+
+def aten_scratch_bytes(node: fx.Node) -> int:
+    """Scratch bytes an eager ATen kernel holds while it runs, beyond its output (see above);
+    0 for any other op."""
+    name = _schema_name(node)
+    if name.split("::")[0] not in ATEN_NAMESPACES or is_alias(node):
+        return 0
+    scratch = WRAPPED_SCALARS_PER_OP * WRAPPED_SCALAR_BYTES
+    if name == MASKED_INDEX_PUT_ACCUMULATE:  # (self, mask, indices, values)
+        scratch += sum(value_bytes(_val(arg)) for arg in (node.args[1], *node.args[2], node.args[3]))
+    elif name == SUM_SCHEMA_NAME:
+        source, result = _val(node.args[0]), _val(node)
+        if source is not None and result is not None and source.dtype != result.dtype:
+            scratch += _numel(node.args[0]) * result.element_size()
+    return scratch
+
+
 def _numel(arg: Any) -> int:
     value = _val(arg)
     return 0 if value is None else value_bytes(value) // value.element_size()
@@ -132,7 +164,7 @@ def workspace_bytes(node: fx.Node) -> int:
         query = _val(node.args[index])
         batch = max(1, concrete_int(query.shape[0]) or 1) if query is not None and query.ndim else 1
         return copies * FP32_BYTES * _numel(node.args[index]) // batch
-    return 0
+    return aten_scratch_bytes(node)
 
 
 def _is_mx_mm(node: fx.Node) -> bool:

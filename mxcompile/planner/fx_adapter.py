@@ -15,7 +15,9 @@ Schedule
 Saved tensors (the decision variables)
     The forward's outputs beyond the user outputs, except parameters (alive anyway) and
     non-tensors (SymInts). A saved *view of a parameter* (e.g. ``t(weight)``) is listed with
-    0 bytes (it shares the parameter's storage). A saved graph input that is not a parameter
+    0 bytes (it shares the parameter's storage). Saved views of one storage (q, k and v cut
+    from one GEMM output by ``split``) take one decision and count the whole storage: it is
+    freed only when the last of them is. A saved graph input that is not a parameter
     (e.g. token ids) is held by the caller: 0 bytes, not recomputable.
     ``produced_at`` / ``last_forward_use`` are forward step indices (0 for inputs);
     ``first_backward_use`` / ``last_backward_use`` are the backward steps reading its
@@ -30,8 +32,9 @@ Baseline (bytes at each step that are not decisions)
     parameters and the caller's inputs (every step), each op's workspace (its step only,
     :func:`~mxcompile.cost.graph_costs.workspace_bytes`), transient activations that are not
     saved (from their producer to their last use, aliases extending their base), the user
-    outputs (to the end of the forward), tangents (from the start of the backward to their
-    last use), and gradients (from production to the end of the step, i.e. grads are set to
+    outputs (to the end of the step: the caller holds them through the backward), tangents
+    (from the start of the backward to its end: autograd holds them until the backward
+    returns), and gradients (from production to the end of the step, i.e. grads are set to
     None between steps). Optimizer state lives outside the step: it adds the same bytes to
     every step, so it shifts the peak without changing any decision; add it to a byte budget
     yourself if you want it counted (a fractional budget is relative and needs nothing).
@@ -226,9 +229,14 @@ def build_problem(
     bw_placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
 
     # Baseline: parameters and caller inputs, transients, user outputs, tangents, gradients.
+    # The caller holds the user outputs through the backward (`loss.backward()`), and autograd
+    # holds the tangents until the backward returns: both count to the end of the step. A saved
+    # tensor in the storage of a user output is counted there (deciding about it frees nothing).
     baseline = [param_bytes + caller_bytes] * n_steps
-    forward_end = {n: n_fwd - 1 for n in user_outputs}
-    for lo, hi, nbytes in _liveness(fw_nodes, fw_step, excluded=saved_set, end_step=forward_end):
+    held_by_caller = {_alias_root(n) for n in user_outputs}
+    step_end = {n: n_steps - 1 for n in user_outputs}
+    counted_as_saved = {n for n in saved_set if _alias_root(n) not in held_by_caller}
+    for lo, hi, nbytes in _liveness(fw_nodes, fw_step, excluded=counted_as_saved, end_step=step_end):
         _add_interval(baseline, lo, hi, nbytes)
     bw_output = next(n for n in bw.graph.nodes if n.op == "output")
     grads = {n: n_steps - 1 for n in pytree.tree_leaves(bw_output.args[0]) if isinstance(n, fx.Node)}
@@ -238,8 +246,7 @@ def build_problem(
         baseline[step] += workspace_bytes(node)
     for name, ph in bw_placeholders.items():
         if name.startswith("tangents"):
-            uses = _use_steps(ph, bw_step)
-            _add_interval(baseline, n_fwd, max(uses, default=n_fwd), node_bytes(ph))
+            _add_interval(baseline, n_fwd, n_steps - 1, node_bytes(ph))
 
     resident = [p.name for p in placeholders if p not in saved_set]
     tensors: list[SavedTensor] = []
@@ -247,7 +254,7 @@ def build_problem(
     for node in saved:
         root = _alias_root(node)
         is_input = node.op == "placeholder"
-        nbytes = 0 if (root in params or root.op == "placeholder") else node_bytes(node)
+        nbytes = 0 if (root in params or root.op == "placeholder" or root in held_by_caller) else node_bytes(node)
         produced = fw_step.get(node, 0)
         fw_uses = _use_steps(node, fw_step)
         ph = bw_placeholders.get(node.name)
@@ -267,8 +274,9 @@ def build_problem(
             offloadable=nbytes > 0,
             recompute_work_bytes=max(0, replay_peak_bytes(closure) - node_bytes(node)),
         ))
-    ties = _storage_groups([n for n, t in zip(saved, tensors) if t.nbytes > 0])
-    tensors = _share_lifetimes(tensors, ties)
+    held = [(n, t) for n, t in zip(saved, tensors) if t.nbytes > 0]
+    ties = _storage_groups([n for n, _ in held])
+    tensors = _share_lifetimes(_count_whole_storages(tensors, [n for n, _ in held]), ties)
     problem = Problem(
         steps=tuple(steps),
         tensors=tuple(tensors),
@@ -301,9 +309,13 @@ def build_problem(
 
 
 def _storage_root(node: fx.Node) -> fx.Node:
-    """The node owning ``node``'s storage: through views, but not through ``getitem`` (each
-    output of a multi-output op is its own storage)."""
-    while is_alias(node) and node.target is not operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+    """The node owning ``node``'s storage: through views, and through ``getitem`` of a view op
+    that returns a list (``split``, ``unbind``, ``chunk``: every piece views its input), but
+    not through ``getitem`` of an op with several outputs of its own (each output is its own
+    storage)."""
+    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        if node.target is operator.getitem and not is_alias(node.args[0]):
+            break
         node = node.args[0]
     return node
 
@@ -314,6 +326,24 @@ def _storage_groups(saved: Sequence[fx.Node]) -> tuple[tuple[str, ...], ...]:
     for node in saved:
         by_root.setdefault(_storage_root(node), []).append(node.name)
     return tuple(tuple(names) for names in by_root.values() if len(names) > 1)
+
+
+def _count_whole_storages(tensors: list[SavedTensor], held: Sequence[fx.Node]) -> list[SavedTensor]:
+    """A saved view keeps its whole storage alive, not only the bytes it shows: where the saved
+    views of one storage (``held``, the saved nodes with bytes of their own) add up to less than
+    it (e.g. q and k saved, v not, all cut from one qkv GEMM output by ``split``), the rest is
+    counted on the first of them. Views that overlap stay counted once each (an upper bound)."""
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for node in held:
+        by_root.setdefault(_storage_root(node), []).append(node)
+    index = {t.name: i for i, t in enumerate(tensors)}
+    counted = list(tensors)
+    for root, views in by_root.items():
+        missing = node_bytes(root) - sum(node_bytes(view) for view in views)
+        if missing > 0:
+            first = index[views[0].name]
+            counted[first] = replace(counted[first], nbytes=counted[first].nbytes + missing)
+    return counted
 
 
 def _share_lifetimes(tensors: list[SavedTensor], groups: Sequence[Sequence[str]]) -> list[SavedTensor]:

@@ -122,12 +122,12 @@ def test_memory_plan_benchmark_quick(quick_output: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_mxfp8_at_or_under_torch_at_its_keep_everything_budget(quick_output: str) -> None:
-    """At torch's 1.0 budget in bytes the mxfp8 step stays within it, so at or under torch.
-    torch's 0.5 budget in bytes is not asserted: there the measured mxfp8 peak was 1.0% over it
-    (2801684 B against 2773012 B on 2026-12-03), a known gap of issue 18 part 2 (README, Memory
-    budget)."""
+def test_mxfp8_at_or_under_torch_at_every_matched_budget(quick_output: str) -> None:
+    """At each torch fraction converted to bytes (1.0 and 0.5) the mxfp8 step stays within that
+    byte budget, so at or under torch's peak (issue 18 part 2). At 0.5 this was 1.0% over
+    (2801684 B against 2773012 B) until the memory model counted a saved split piece's whole
+    storage (README, Memory budget)."""
     _, matched = _matched(quick_output)
-    row = matched["1.00"]
-    budget, mx_peak = int(row["budget B"]), int(row["mx+p B"])
-    assert 0 < mx_peak <= budget and row["in bud"] == "yes", row
+    for label, row in matched.items():
+        budget, mx_peak = int(row["budget B"]), int(row["mx+p B"])
+        assert 0 < mx_peak <= budget and row["in bud"] == "yes", (label, row)

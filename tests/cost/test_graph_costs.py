@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from mxcompile.config import MXConfig
-from mxcompile.cost.graph_costs import attention_flops, bytes_moved, node_flops, node_time_s
+from mxcompile.cost.graph_costs import attention_flops, bytes_moved, node_flops, node_time_s, value_bytes, workspace_bytes
 from mxcompile.cost.profiles import ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION
 from mxcompile.ops.attention_reference import default_key_tile
@@ -106,3 +106,34 @@ def test_unknown_op_rate_is_an_error():
                       host_link_bandwidth=1.0, op_rates={QUANTIZE_RATE: 1.0},
                       sources={"peak_flops.fp32": "a", "peak_flops.bf16": "b", "peak_flops.fp8": "c",
                                "memory_bandwidth": "d", "host_link_bandwidth": "e"})
+
+
+
+def _masked_index_put_accumulate(weight_grad, mask, ids, grad):
+    return torch.ops.aten._unsafe_masked_index_put_accumulate.default(weight_grad, mask, [ids], grad)
+
+
+_ATEN_SCRATCH_CASES = {  # schema name: (the op on fresh inputs, the inputs)
+    "aten::mul": (lambda x: torch.ops.aten.mul.Tensor(x, 0.5), lambda: (torch.randn(M, K),)),
+    "aten::mean": (lambda x: torch.ops.aten.mean.dim(x, [-1], True), lambda: (torch.randn(M, K),)),
+    "aten::ne": (lambda x: torch.ops.aten.ne.Scalar(x, -100), lambda: (torch.randint(0, 9, (M, K)),)),
+    "aten::sum": (lambda x: torch.ops.aten.sum.default(x), lambda: (torch.rand(M, K) > 0.5,)),
+    "aten::_unsafe_masked_index_put_accumulate": (  # the embedding backward of eager lowering
+        _masked_index_put_accumulate,
+        lambda: (torch.zeros(N, K), torch.ones(M, 1, dtype=torch.bool), torch.randint(0, N, (M,)), torch.randn(M, K))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ATEN_SCRATCH_CASES))
+def test_eager_aten_scratch_bounds_what_the_kernel_allocates(name):
+    """The scratch counted for an eager ATen kernel bounds what the allocator sees it hold beside
+    its output (the op's peak minus its output bytes), and the kernel does hold some."""
+    from mxcompile.measure.memory import tensor_peak_bytes
+
+    fn, make_inputs = _ATEN_SCRATCH_CASES[name]
+    inputs = make_inputs()
+    node = _graph(fn, *inputs)[name]
+    outputs = []
+    peak = tensor_peak_bytes(lambda: outputs.append(fn(*inputs)))
+    scratch = peak - value_bytes(outputs[0])
+    assert 0 < scratch <= workspace_bytes(node), (scratch, workspace_bytes(node))

@@ -2,8 +2,8 @@
 allocator events) of one training step of the small GPT and a small HF Llama, each with its
 loss inside the compiled graph, at 100%, 75%, 50% and 30% of the activation memory a plan can
 take off the peak. Eager lowering runs the rewritten graphs op by op, so the measured peak is
-the planner's own model of the step; Inductor is checked once (it fuses, so it may only be
-lower)."""
+the planner's own model of the step; Inductor is checked once (it fuses, and planned graphs
+compile without its buffer reuse, so its peak stays at or under the model's)."""
 
 from __future__ import annotations
 
@@ -120,10 +120,11 @@ def test_gradients_bit_identical_under_every_budget(measured) -> None:
                 assert torch.equal(grad, grads[name]), (fraction, name)
 
 
-@pytest.mark.skip(reason=(
-    "known gap (issue 18 part 2, open): on the merged tree of 2026-12-03 the Inductor step at 0.5 "
-    "measured 32219144 B against a budget of 31887872 B (+1.0%); not yet found; the test also took "
-    "636 s cold"))
 def test_inductor_peak_within_budget_at_half_the_activation_memory() -> None:
+    """Under Inductor the planned step peaks at or under its budget too. Inductor's buffer reuse
+    held a dead 2 MiB MLP gradient across the next attention backward (whose scratch Inductor's
+    own estimate does not see): 32743432 B against 32424448 B until the lowering turned buffer
+    reuse off for planned graphs (then 25864208 B). One compile of the small GPT (~500 s cold on
+    2 busy cores): the tiny GPT does not reach the budget."""
     plan, peak, _ = _measure(_small_gpt, 0.5, lower=inductor_compiler)
-    assert peak <= plan["budget_bytes"] - plan["input_bytes"]
+    assert peak <= plan["budget_bytes"] - plan["input_bytes"], (peak, plan["budget_bytes"] - plan["input_bytes"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
@@ -9,6 +11,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from mxcompile.cost.graph_costs import node_flops, value_bytes
 from mxcompile.cost.profiles import H100_SXM
+from mxcompile.ops.attention import ATTENTION
 from mxcompile.planner import plan_activation_memory
 from mxcompile.planner.budget import MemoryBudget
 from mxcompile.planner.fx_adapter import build_problem
@@ -83,3 +86,65 @@ def test_plan_is_deterministic() -> None:
         adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM, budget=MemoryBudget.of_fraction(0.8))
         plans.append(plan_activation_memory(adapted.problem).decisions)
     assert plans[0] == plans[1]
+
+
+
+HEADS, SEQ, HEAD_DIM = 2, 32, 32
+
+
+def _attention(q, k, v):
+    out, _ = ATTENTION(q, k, v, None, True, HEAD_DIM ** -0.5, "both", "e4m3", "rceil", 32, SEQ)
+    return out
+
+
+def _qkv(x, w):
+    """q, k, v cut by ``split`` from one GEMM output (B, H, S, 3D): views of one storage."""
+    return (x @ w).split(HEAD_DIM, dim=-1)
+
+
+def _attention_of_split(x, w):
+    return _attention(*_qkv(x, w))
+
+
+def _attention_of_split_q(x, w):
+    q, k, v = _qkv(x, w)
+    return _attention(q, k * 2.0, v * 3.0)  # k and v get storages of their own; q stays a piece
+
+
+def _split_graphs(fn):
+    x = torch.randn(1, HEADS, SEQ, HEAD_DIM, requires_grad=True)
+    w = torch.randn(HEAD_DIM, 3 * HEAD_DIM, requires_grad=True)
+    fw, bw, n_out = partitioned(fn, x, w)
+    adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM)
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    pieces = [t for t in adapted.problem.tensors if fw_nodes[t.name].target is operator.getitem
+              and fw_nodes[t.name].args[0].target is torch.ops.aten.split.Tensor]
+    return adapted, pieces
+
+
+STORAGE_BYTES = HEADS * SEQ * 3 * HEAD_DIM * 4  # the fp32 GEMM output q, k and v are cut from
+
+
+def test_saved_split_pieces_share_one_decision_and_their_storage_bytes() -> None:
+    adapted, pieces = _split_graphs(_attention_of_split)
+    names = tuple(t.name for t in pieces)
+    assert len(names) == 3 and names in adapted.tie_groups, (adapted.problem.tensors, adapted.tie_groups)
+    assert sum(t.nbytes for t in pieces) == STORAGE_BYTES
+
+
+def test_a_saved_split_piece_holds_its_whole_storage() -> None:
+    adapted, pieces = _split_graphs(_attention_of_split_q)
+    # q alone is saved, as a piece of the GEMM output: the storage stays alive whole while q is.
+    assert [t.nbytes for t in pieces] == [STORAGE_BYTES], adapted.problem.tensors
+
+
+def test_user_outputs_and_tangents_are_held_to_the_end_of_the_step() -> None:
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(K, N, requires_grad=True)
+    fw, bw, n_out = partitioned(mlp, x, w)
+    adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM)
+    problem = adapted.problem
+    output_bytes = tangent_bytes = M * K * 4  # mlp returns (M, K); its tangent has its shape
+    for step in range(problem.n_forward_steps, len(problem.steps)):
+        # the caller holds the output through the backward, autograd the tangent
+        assert problem.baseline_bytes[step] >= adapted.input_bytes + output_bytes + tangent_bytes, step
