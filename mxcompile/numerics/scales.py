@@ -4,6 +4,8 @@ exact for every input (subnormals, zeros, Inf, NaN) and compiles to fused loops 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .formats import (
@@ -129,7 +131,17 @@ def _nearby_power_of_two(w: torch.Tensor) -> torch.Tensor:
     return c - (c - w)
 
 
-def scale_fp32_from_amax(amax: torch.Tensor, fmt: ElemFormat, scale_mode: ScaleMode) -> torch.Tensor:
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def scale_fp32_from_amax(
+    amax: torch.Tensor,
+    fmt: ElemFormat,
+    scale_mode: ScaleMode,
+    *,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = _unchanged,
+) -> torch.Tensor:
     """The fp32 block scale 2**(b - 127) of the byte b = `scale_bytes_from_amax(amax)` (NaN for
     0xFF), computed with fp32 multiplies, adds, comparisons and selects only.
 
@@ -143,14 +155,20 @@ def scale_fp32_from_amax(amax: torch.Tensor, fmt: ElemFormat, scale_mode: ScaleM
     floor (p <= v) or ceil (p >= v). The power-of-two factors (range scaling, 2**-emax) are
     exact; products below 2**-127 may underflow, and the clamp to the E8M0 range maps them to
     2**-127 as the byte clamp does.
+
+    `materialize` is applied to the intermediates used more than once (identity by default).
+    The Inductor form of quantize passes a realization hint: Inductor inlines single-use
+    elementwise nodes into their users and re-expands an inlined node at every use, so without
+    it this dozen-op function expands to hundreds of nodes per use of the scale (a 3548-node
+    loop body in a 2-layer MLP's backward), and Inductor's code generation time follows.
     """
-    finite = torch.isfinite(amax)
+    finite = materialize(torch.isfinite(amax))
     value = amax * _reciprocal_max_fp32(fmt) if scale_mode is ScaleMode.RCEIL else amax
-    value = torch.where(finite, value, 0.0)
+    value = materialize(torch.where(finite, value, 0.0))
     big, small = 2.0**_POW2_RANGE_EXPONENT, 2.0**-_POW2_RANGE_EXPONENT
-    into_range = torch.where(value >= big, small, torch.where(value < small, big, 1.0))
-    w = value * into_range
-    p = _nearby_power_of_two(w)
+    into_range = materialize(torch.where(value >= big, small, torch.where(value < small, big, 1.0)))
+    w = materialize(value * into_range)
+    p = materialize(_nearby_power_of_two(w))
     if scale_mode in (ScaleMode.RCEIL, ScaleMode.CEIL):
         p = torch.where(p < w, p * 2.0, p)
     else:

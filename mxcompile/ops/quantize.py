@@ -182,15 +182,28 @@ def _swap_last_two(axis: int, ndim: int) -> int:
     return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis)
 
 
+def _realized(t: torch.Tensor) -> torch.Tensor:
+    """t, stored in a buffer of its own under Inductor (eagerly: t itself, or a copy in t's own
+    strides). Inductor inlines an elementwise node into each of its users and re-expands it
+    at every use; a per-block value used by every element of its block is cheaper stored once
+    per block, and the expression trees, and with them Inductor's code generation time, stay
+    small (see `numerics.scale_fp32_from_amax`'s `materialize`). The prim's lowering requires
+    the given strides, which realizes the node."""
+    from torch._inductor import inductor_prims  # noqa: F401  (registers torch.ops.prims.inductor_*)
+
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
+
+
 def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int):
     """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`), their scale
     bytes (the numerics core's bitcast form: evaluated once per block, where the bytes are
     stored), and their fp32 scales and inverse scales in the bitcast-free form
-    (`numerics.scale_fp32_from_amax`), which Inductor vectorizes inside the element loop."""
+    (`numerics.scale_fp32_from_amax`), which Inductor vectorizes; the scales are computed once
+    per block into a buffer that the element loop reads."""
     fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
     blocks = split_blocks(x, axis, block_size).to(torch.float32)
     amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    scale = scale_fp32_from_amax(amax, fmt, scale_mode)
+    scale = _realized(scale_fp32_from_amax(amax, fmt, scale_mode, materialize=_realized))
     # 1 / 2**k is exact for every E8M0 scale (2**-127 .. 2**127); NaN stays NaN.
     return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, 1.0 / scale
 
