@@ -354,15 +354,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads; 1 is far faster on an oversubscribed CPU")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny smoke run: baseline and mxfp8 only, 1 layer of width 32, 6 steps, "
-                             "seeds 0 1 2 (two compiles: the test suite's budget)")
+                        help="smoke run: baseline and mxfp8 only, GPT 'tiny' at batch 2 (the graphs of "
+                             "`mxcompile demo --batch-size 2`, so each can reuse the other's compiled "
+                             "kernels), 6 steps, seeds 0 1 2")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="combine these result files instead of training")
     parser.add_argument("--out", type=Path, default=Path("out/convergence"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.d_model, args.layers, args.heads, args.seq_len = "tiny", 32, 1, 2, 32
-        args.steps, args.eval_every, args.eval_batches, args.batch_size = 6, 2, 2, 4
+        args.size, args.d_model, args.layers, args.heads, args.seq_len = "tiny", None, None, None, None
+        args.steps, args.eval_every, args.eval_batches, args.batch_size = 6, 2, 2, 2
         args.texts, args.seeds = 1, [0, 1, 2]
         args.variants = [v for v in args.variants if v in QUICK_VARIANTS]
     if len(set(args.seeds)) != len(args.seeds):
