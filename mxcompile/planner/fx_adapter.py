@@ -320,12 +320,17 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def _by_storage(saved: Sequence[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """The saved nodes grouped by the node owning their storage (:func:`_storage_root`)."""
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for node in saved:
+        by_root.setdefault(_storage_root(node), []).append(node)
+    return by_root
+
+
 def _storage_groups(saved: Sequence[fx.Node]) -> tuple[tuple[str, ...], ...]:
     """Names of saved tensors sharing one storage, for every storage held by two or more."""
-    by_root: dict[fx.Node, list[str]] = {}
-    for node in saved:
-        by_root.setdefault(_storage_root(node), []).append(node.name)
-    return tuple(tuple(names) for names in by_root.values() if len(names) > 1)
+    return tuple(tuple(n.name for n in views) for views in _by_storage(saved).values() if len(views) > 1)
 
 
 def _count_whole_storages(tensors: list[SavedTensor], held: Sequence[fx.Node]) -> list[SavedTensor]:
@@ -333,12 +338,9 @@ def _count_whole_storages(tensors: list[SavedTensor], held: Sequence[fx.Node]) -
     views of one storage (``held``, the saved nodes with bytes of their own) add up to less than
     it (e.g. q and k saved, v not, all cut from one qkv GEMM output by ``split``), the rest is
     counted on the first of them. Views that overlap stay counted once each (an upper bound)."""
-    by_root: dict[fx.Node, list[fx.Node]] = {}
-    for node in held:
-        by_root.setdefault(_storage_root(node), []).append(node)
     index = {t.name: i for i, t in enumerate(tensors)}
     counted = list(tensors)
-    for root, views in by_root.items():
+    for root, views in _by_storage(held).items():
         missing = node_bytes(root) - sum(node_bytes(view) for view in views)
         if missing > 0:
             first = index[views[0].name]
