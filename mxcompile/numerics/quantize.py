@@ -5,6 +5,7 @@ mxcompile's numerics. The custom ops, the graph passes and the Triton kernels al
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,11 +19,14 @@ from .formats import (
     elem_format,
     scale_mode_named,
 )
+from .rounding import fake_quantize_blocks
 from .scales import (
     bytes_from_e8m0,
     e8m0_from_bytes,
+    identity,
     inverse_scale_fp32_from_bytes,
     scale_bytes_from_amax,
+    scale_fp32_from_amax,
     scale_fp32_from_bytes,
 )
 
@@ -147,6 +151,42 @@ def dequantize_along(
     blocks = split_blocks(data, axis, block_size).to(torch.float32)
     scale = scale_fp32_from_bytes(scale_bytes).unsqueeze(axis + 1)
     return (blocks * scale).reshape(data.shape).to(dtype)
+
+
+def blocks_and_scales(
+    x: torch.Tensor,
+    axis: int,
+    fmt: ElemFormat,
+    scale_mode: ScaleMode,
+    block_size: int,
+    *,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = identity,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x split into fp32 blocks along `axis` (non-negative; `split_blocks`), the blocks' amax,
+    and their fp32 scales and inverse scales in the bitcast-free form (`scale_fp32_from_amax`,
+    which vectorizes). `materialize` is applied to the scale and its reused intermediates
+    (see `scale_fp32_from_amax`)."""
+    blocks = split_blocks(x, axis, block_size).to(torch.float32)
+    amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
+    scale = materialize(scale_fp32_from_amax(amax, fmt, scale_mode, materialize=materialize))
+    # 1 / 2**k is exact for every E8M0 scale (2**-127 .. 2**127); NaN stays NaN.
+    return blocks, amax, scale, 1.0 / scale
+
+
+def fake_quantize_along(
+    x: torch.Tensor,
+    axis: int,
+    fmt: ElemFormat,
+    scale_mode: ScaleMode,
+    block_size: int,
+    *,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = identity,
+) -> torch.Tensor:
+    """dequantize_along(*quantize_along(x, ...)) in fp32, bit for bit, computed with fp32
+    arithmetic only (`rounding.fake_quantize_blocks`): no fp8 tensor, so no fp32<->fp8
+    conversion, which ATen and Inductor run element by element on CPUs without AVX512."""
+    blocks, _amax, scale, inverse = blocks_and_scales(x, axis, fmt, scale_mode, block_size, materialize=materialize)
+    return fake_quantize_blocks(blocks, scale, inverse, fmt).reshape(x.shape)
 
 
 def quantize_mx(

@@ -131,7 +131,8 @@ def _nearby_power_of_two(w: torch.Tensor) -> torch.Tensor:
     return c - (c - w)
 
 
-def _unchanged(t: torch.Tensor) -> torch.Tensor:
+def identity(t: torch.Tensor) -> torch.Tensor:
+    """t itself: the default `materialize` (nothing to store separately in eager PyTorch)."""
     return t
 
 
@@ -140,7 +141,7 @@ def scale_fp32_from_amax(
     fmt: ElemFormat,
     scale_mode: ScaleMode,
     *,
-    materialize: Callable[[torch.Tensor], torch.Tensor] = _unchanged,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = identity,
 ) -> torch.Tensor:
     """The fp32 block scale 2**(b - 127) of the byte b = `scale_bytes_from_amax(amax)` (NaN for
     0xFF), computed with fp32 multiplies, adds, comparisons and selects only.

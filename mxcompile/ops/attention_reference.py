@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..numerics import dequantize_along, elem_format, quantize_along
+from ..numerics import elem_format, fake_quantize_along
 from ..numerics import scale_mode_named
 
 ATTENTION_MODES = ("both", "qk_only", "off")
@@ -143,10 +143,9 @@ def default_key_tile(block_size: int) -> int:
 
 
 def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int) -> torch.Tensor:
-    """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees)."""
-    axis = axis % x.ndim
-    data, scale = quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
-    return dequantize_along(data, scale, axis, block_size, torch.float32)
+    """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees),
+    in fp32 arithmetic (no fp8 round trip: see `numerics.fake_quantize_along`)."""
+    return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
 
 
 class _Operands:

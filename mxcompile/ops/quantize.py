@@ -21,15 +21,15 @@ import logging
 import torch
 
 from ..numerics import (
+    blocks_and_scales,
     dequantize_along,
     elem_format,
+    fake_quantize_along,
     quantize_along,
     scale_bytes_from_amax,
-    scale_fp32_from_amax,
-    split_blocks,
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
-from ..numerics.rounding import fake_quantize_blocks, quantize_blocks
+from ..numerics.rounding import quantize_blocks
 
 _log = logging.getLogger(__name__)
 
@@ -198,14 +198,11 @@ def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, b
     """x split into fp32 blocks along `axis` in place (`numerics.split_blocks`), their scale
     bytes (the numerics core's bitcast form: evaluated once per block, where the bytes are
     stored), and their fp32 scales and inverse scales in the bitcast-free form
-    (`numerics.scale_fp32_from_amax`), which Inductor vectorizes; the scales are computed once
+    (`numerics.blocks_and_scales`), which Inductor vectorizes; the scales are computed once
     per block into a buffer that the element loop reads."""
     fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    blocks = split_blocks(x, axis, block_size).to(torch.float32)
-    amax = blocks.abs().amax(dim=axis + 1, keepdim=True)
-    scale = _realized(scale_fp32_from_amax(amax, fmt, scale_mode, materialize=_realized))
-    # 1 / 2**k is exact for every E8M0 scale (2**-127 .. 2**127); NaN stays NaN.
-    return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, 1.0 / scale
+    blocks, amax, scale, inverse = blocks_and_scales(x, axis, fmt, scale_mode, block_size, materialize=_realized)
+    return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, inverse
 
 
 def quantize_for_inductor(
@@ -236,9 +233,8 @@ def fake_quantize_for_inductor(
     if _is_transposed_contiguous(x):
         swapped = _swap_last_two(axis, x.ndim)
         return fake_quantize_for_inductor(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
-    fmt = elem_format(elem)
-    blocks, _bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
-    return fake_quantize_blocks(blocks, scale, inverse, fmt).to(dtype).reshape(x.shape)
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
+    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=_realized).to(dtype)
 
 
 def dequantize_for_inductor(
