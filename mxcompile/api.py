@@ -86,7 +86,8 @@ def mx_matmul(
 ) -> torch.Tensor:
     """The MX GEMM a @ b (see `mxcompile.numerics.mx_matmul`); `kernel` as in `quantize_mx`.
     "auto" is the `mxcompile::mx_mm` op, which multiplies bf16-dequantized operands for
-    non-fp32 outputs (`mxcompile.ops.mx_mm.gemm_operand_dtype`). The Triton kernel takes 2-D
+    non-fp32 outputs where bf16 GEMMs are native, fp32 ones elsewhere
+    (`mxcompile.ops.mx_mm.gemm_operand_dtype`). The Triton kernel takes 2-D
     operands."""
     _check_kernel(kernel)
     if kernel == "torch":

@@ -30,6 +30,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
 from .ops.mx_mm import MX_MM, gemm_operand_dtype
 from .ops.quantize import QUANTIZE, dequantize_for_inductor, fake_quantize_for_inductor
+from .passes.graph_facts import value_device
 from .passes.meta_keys import PLANNED_GRAPH_KEY
 
 MX_OPS = frozenset(DECOMPOSITIONS)
@@ -104,7 +105,7 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not MX_MM:
             continue
         a, a_scale, b, b_scale, block_size, out_dtype = node.args
-        operand_dtype = gemm_operand_dtype(out_dtype)
+        operand_dtype = gemm_operand_dtype(out_dtype, value_device(node))
         with gm.graph.inserting_before(node):
             operands = []
             for data, scale, axis in ((a, a_scale, -1), (b, b_scale, -2)):

@@ -33,7 +33,7 @@ from ..ops.quantize import quantize_for_inductor
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 2  # bump when the measurement changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 3  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...

@@ -40,7 +40,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from ..passes.graph_facts import concrete_int
+from ..passes.graph_facts import concrete_int, value_device
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
 from .profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
@@ -155,7 +155,8 @@ def workspace_bytes(node: fx.Node) -> int:
     name = _schema_name(node)
     if name == MX_MM_SCHEMA_NAME:
         out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
-        peak = mx_mm_peak_bytes(*(_numel(node.args[i]) for i in range(4)), _numel(node), out_dtype)
+        peak = mx_mm_peak_bytes(*(_numel(node.args[i]) for i in range(4)), _numel(node), out_dtype,
+                                value_device(node))
         return max(0, peak - node_bytes(node))
     if name == QUANTIZE_SCHEMA_NAME:
         return quantize_scratch_bytes(_numel(node.args[0]))
@@ -267,7 +268,7 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
         return MX_GEMM_DTYPE
     if _is_mx_mm(node):
         out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
-        dtype = gemm_operand_dtype(out_dtype)
+        dtype = gemm_operand_dtype(out_dtype, value_device(node))
     else:
         operands = _gemm_operands(node)
         value = _val(node.args[0]) if mx else (operands[0] if operands is not None else None)

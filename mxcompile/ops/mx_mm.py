@@ -12,6 +12,7 @@ CPU the backend lowers the op to a high-precision matmul of fake-quantized opera
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -21,15 +22,30 @@ from ..numerics import dequantize_along
 _log = logging.getLogger(__name__)
 
 
-def gemm_operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
+@functools.cache
+def cpu_has_native_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX), where
+    oneDNN's bf16 GEMM is about 2x faster than fp32. Elsewhere ATen's bf16 mm is emulated or a
+    generic loop: on an AVX2-only EPYC a (1536 x 2048) @ (2048 x 512) bf16 mm took 4.1 s
+    against 0.05 s in fp32 (../shared/FACTS.md)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def gemm_operand_dtype(out_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype the MX GEMM dequantizes its operands to before multiplying (fp32 accumulation).
 
-    bf16 for low-precision outputs: exact for every FP8 value times a power-of-two scale unless
-    the product underflows bf16's subnormal range (scale byte < 3 for e4m3, < 10 for e5m2), and
-    about 2x faster than fp32 on CPUs with AVX512-BF16. fp32 outputs get fp32 operands, so that
-    the output carries no extra bf16 rounding.
+    bf16 for low-precision outputs on CUDA and on CPUs with native bf16 GEMMs
+    (`cpu_has_native_bf16_gemm`): exact for every FP8 value times a power-of-two scale unless
+    the product underflows bf16's subnormal range (scale byte < 3 for e4m3, < 10 for e5m2).
+    fp32 otherwise: always exact, the same fp32-accumulated products, and on CPUs without
+    native bf16 GEMMs tens of times faster. fp32 outputs get fp32 operands, so that the output
+    carries no extra bf16 rounding.
     """
-    return torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    if out_dtype == torch.float32:
+        return torch.float32
+    if torch.device(device).type == "cpu" and not cpu_has_native_bf16_gemm():
+        return torch.float32
+    return torch.bfloat16
 
 
 _FP32_BYTES = 4
@@ -44,7 +60,7 @@ def _dequantized_peak_bytes(numel: int, scale_numel: int, dtype: torch.dtype) ->
 
 
 def mx_mm_peak_bytes(a_numel: int, a_scale_numel: int, b_numel: int, b_scale_numel: int, out_numel: int,
-                     out_dtype: torch.dtype) -> int:
+                     out_dtype: torch.dtype, device: torch.device | str) -> int:
     """Peak bytes `mx_mm_reference` allocates while it runs, its output included (the bytes
     allocated before the call, such as the fp8 operands, not counted).
 
@@ -54,7 +70,7 @@ def mx_mm_peak_bytes(a_numel: int, a_scale_numel: int, b_numel: int, b_scale_num
     planner's cost model (`mxcompile.cost.graph_costs.workspace_bytes`) takes the op's scratch
     from this, so it must change with the reference.
     """
-    operand = gemm_operand_dtype(out_dtype)
+    operand = gemm_operand_dtype(out_dtype, device)
     a_held = a_numel * operand.itemsize
     product = out_numel * operand.itemsize
     out = out_numel * out_dtype.itemsize if out_dtype != operand else 0
@@ -74,7 +90,7 @@ def mx_mm_reference(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The torch implementation of `mxcompile::mx_mm` (scales: uint8 bytes)."""
-    operand_dtype = gemm_operand_dtype(out_dtype)
+    operand_dtype = gemm_operand_dtype(out_dtype, a.device)
     a_hp = dequantize_along(a, a_scale, a.ndim - 1, block_size, operand_dtype)
     b_hp = dequantize_along(b, b_scale, b.ndim - 2, block_size, operand_dtype)
     return torch.matmul(a_hp, b_hp).to(out_dtype)

@@ -49,6 +49,14 @@ def graph_fake_mode(gm: fx.GraphModule):
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
 
 
+def value_device(node: fx.Node) -> torch.device:
+    """The device of ``node``'s value; CPU for a graph traced without values (fx.symbolic_trace
+    in tests). Used where the choice only affects speed: the MX GEMM's operand dtype
+    (`mxcompile.ops.gemm_operand_dtype`; both choices compute the same exact products)."""
+    value = fake_value(node)
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+
+
 def concrete_int(value: Any) -> int | None:
     """An int for a static size, the runtime hint for a symbolic one, None if unknown."""
     if isinstance(value, int):

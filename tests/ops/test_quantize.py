@@ -109,6 +109,11 @@ def test_inductor_quantize_loop_bodies_stay_small(monkeypatch):
     def operand_times_two(x):
         return fake_quantize_for_inductor(x, 1, "e4m3", "rceil", 32, torch.float32) * 2.0
 
-    torch.compile(operand_times_two, dynamic=False)(torch.randn(64, 64))
+    # Cached compiled code would skip code generation (and the count): compile afresh.
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        torch.compile(operand_times_two, dynamic=False)(torch.randn(64, 64))
     assert sizes, "Inductor traced no loop body: the test measured nothing"
     assert max(sizes) <= MAX_LOOP_BODY_NODES, sizes
