@@ -4,6 +4,7 @@ fp32, the mxfp8 backend (MX attention on, and off), and torchao's emulated MXFP8
     python benchmarks/train_step.py                  # built-in GPT: width 512, 6 layers, seq 256, batch 8
     python benchmarks/train_step.py --model llama    # HF Llama: hidden 512, 4 layers, seq 256, batch 4
     python benchmarks/train_step.py --quick          # tiny shapes, a smoke test
+    python benchmarks/train_step.py --device cuda --d-model 2048 --seq 1024   # on a GPU
 
 Every variant is compiled and warmed up first; then --rounds rounds each time --steps steps of
 every variant in turn, so that load on the machine hits all variants alike. Prints the median
@@ -28,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -52,7 +53,7 @@ VARIANTS = (
 TORCHAO_ERRORS = (RuntimeError, AssertionError, NotImplementedError, TypeError, ValueError)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """A model to train and how one step computes its loss from the compiled model."""
 
@@ -88,10 +89,12 @@ def llama_workload(args: argparse.Namespace) -> Workload:
 
 
 def make_step(work: Workload, model: torch.nn.Module, compiled: Callable, autocast: bool) -> Callable[[], float]:
+    """One optimizer step; `loss.item()` waits for the device, so a host clock times it whole."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    device_type = work.batch.device.type
 
     def step() -> float:
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autocast(device_type, torch.bfloat16, enabled=autocast):
             loss = work.loss(compiled, work.batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-torchao", action="store_true")
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 (no autocast) baseline")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 round of 2 steps")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     llama = args.model == "llama"
     args.layers = args.layers or (4 if llama else 6)
@@ -153,11 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.d_model, args.layers, args.heads, args.seq, args.batch, args.vocab = 64, 2, 2, 64, 2, 256
         args.warmup, args.steps, args.rounds = 2, 2, 1
+    device = torch.device(args.device)
     work = llama_workload(args) if llama else gpt_workload(args)
-    print(f"{work.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
-
-    native_bf16 = cpu_has_native_bf16_gemm()
-    print(f"bf16 GEMMs native on this CPU (AVX512-BF16 or AMX): {native_bf16}")
+    work = dataclasses.replace(work, model=work.model.to(device), batch=work.batch.to(device))
+    if device.type == "cuda":
+        print(f"{work.name}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+        native_bf16 = True
+    else:
+        print(f"{work.name}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+        native_bf16 = cpu_has_native_bf16_gemm()
+        print(f"bf16 GEMMs native on this CPU (AVX512-BF16 or AMX): {native_bf16}")
     steps: dict[str, Callable[[], float] | None] = {}
     notes: dict[str, str] = {}
     for name, backend, options, autocast in VARIANTS:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project in one short run, for a lent GPU machine whose Python
+# already has torch and Triton (nothing is downloaded): the environment, `mxcompile doctor`, the
+# kernel checks and benchmarks (gpu_kernels.py), and the training step against Inductor's bf16
+# (train_step.py --device cuda). Each part has its own time limit, so one that hangs or fails
+# leaves the others' figures; logs go to the folder given (default benchmarks/results/gpu).
+#
+#     benchmarks/gpu_session.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/results/gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    local started=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local code=$?
+    echo "== $name: exit $code after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.log"
+}
+
+{ nvidia-smi -L; $python -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/summary.log"
+# The mxfp8 backend is found through its torch_dynamo_backends entry point: install in place.
+part install 120 $python -m pip install --no-deps --no-build-isolation --no-index -e .
+part doctor 120 $python -m mxcompile.cli.main doctor
+part gpu_kernels 210 $python benchmarks/gpu_kernels.py --check --sizes 4096 8192
+part train_step 240 $python benchmarks/train_step.py --device cuda --no-torchao --no-fp32 \
+    --d-model 2048 --heads 16 --layers 2 --seq 1024 --batch 8 --warmup 3 --steps 10 --rounds 3
+for name in doctor gpu_kernels train_step; do echo "----- $name"; tail -n 45 "$out/$name.log"; done
