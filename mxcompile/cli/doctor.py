@@ -181,7 +181,7 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     from ..ops.attention_checks import triton_attention_unsupported
     from ..ops.mx_mm import triton_mx_mm_unsupported
     from ..ops.quantize import triton_quantize_unsupported
-    from ..triton_templates import resolve_gemm_path
+    from ..triton_templates import NATIVE_DOT_SCALED_CAPABILITY, resolve_gemm_path
 
     if not _has_triton_kernels(device):
         reason = f"tensors on {device.type}: the Triton kernels run for CUDA tensors only"
@@ -191,8 +191,11 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     why = triton_quantize_unsupported(x, config.forward_elem, config.block_size)
     checks = [_kernel_check("MX quantize", "Triton quantize kernel", why)]
     why = triton_mx_mm_unsupported(x, x, config.block_size)
-    gemm = ("Triton MX GEMM with tl.dot_scaled" if why is None and resolve_gemm_path("auto", device, config.block_size)
-            else "Triton MX GEMM, FP8 tl.dot per scale block (the path below sm100)")
+    if resolve_gemm_path("auto", config.block_size):
+        emulated = device.type == "cuda" and torch.cuda.get_device_capability(device) < NATIVE_DOT_SCALED_CAPABILITY
+        gemm = "Triton MX GEMM with tl.dot_scaled" + (" (emulated through bf16 below sm100)" if emulated else "")
+    else:
+        gemm = f"Triton MX GEMM, FP8 tl.dot per scale block (tl.dot_scaled needs block_size 32, not {config.block_size})"
     checks.append(_kernel_check("MX GEMM", gemm, why))
     q, k, v, grad_out, out = (torch.empty(ATTENTION_SHAPE, dtype=ATTENTION_DTYPE, device=device) for _ in range(5))
     lse = torch.empty(ATTENTION_SHAPE[:-1], dtype=torch.float32, device=device)

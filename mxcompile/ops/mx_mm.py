@@ -143,7 +143,7 @@ def mx_mm_with_triton(
     c, _, _ = mx_mm_launch(
         a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, a_scale.shape[-1]), b, b_scale,
         block_size=block_size, out_dtype=out_dtype, key=key,
-        use_dot_scaled=resolve_gemm_path("auto", a.device, block_size), interpret=_interpreting(),
+        use_dot_scaled=resolve_gemm_path("auto", block_size), interpret=_interpreting(),
     )  # fmt: skip
     if c is None:
         raise RuntimeError("mx_mm_launch returned no output although store_c is set")

@@ -55,7 +55,8 @@ __all__ = [
     "loaded_kernel_sources",
 ]
 
-# Triton's fp8 types: E4M3 needs sm89+ (Ada/Hopper); tl.dot_scaled is native on sm100+.
+# Triton's fp8 types: E4M3 needs sm89+ (Ada/Hopper); tl.dot_scaled is native on sm100+ (Triton
+# emulates it below, upcasting the operands to bf16).
 MIN_CUDA_CAPABILITY = (8, 9)
 NATIVE_DOT_SCALED_CAPABILITY = (10, 0)
 TRITON_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -236,8 +237,13 @@ def _scale_u8(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def resolve_gemm_path(path: str, device: torch.device, block_size: int) -> bool:
-    """True for tl.dot_scaled, False for the Hopper path (FP8 tl.dot per scale block)."""
+def resolve_gemm_path(path: str, block_size: int) -> bool:
+    """True for tl.dot_scaled, False for the Hopper path (FP8 tl.dot per scale block).
+
+    "auto" takes tl.dot_scaled whenever the block is its MX group of 32, Hopper included, where
+    Triton emulates it: on an H200 (2026-12-04, `benchmarks/gpu_kernels.py`) it ran at 193-194
+    TFLOP/s against the Hopper path's 120 at M=N=K=4096 and 8192. The Hopper path serves the
+    other block sizes."""
     if path == "dot_scaled":
         if block_size != 32:
             raise ValueError("path='dot_scaled' needs block_size=32 (tl.dot_scaled's MX group)")
@@ -246,13 +252,7 @@ def resolve_gemm_path(path: str, device: torch.device, block_size: int) -> bool:
         return False
     if path != "auto":
         raise ValueError(f"path={path!r} is not accepted; use 'auto', 'dot_scaled' or 'hopper'")
-    if block_size != 32:
-        return False
-    if _interpreting() or device.type != "cuda" or not torch.cuda.is_available():
-        # No GPU to ask (the interpreter, or tracing with fake CUDA tensors): dot_scaled, the
-        # path every target can run (emulated below sm100).
-        return True
-    return torch.cuda.get_device_capability(device) >= NATIVE_DOT_SCALED_CAPABILITY
+    return block_size == 32
 
 
 def mx_mm_triton(
@@ -283,8 +283,8 @@ def mx_mm_triton(
 
     Returns C (M, N) in out_dtype; with `quantize_output="e4m3"|"e5m2"` returns the MX copy of C
     along its last axis, (data, scales (M, N/bs)), and with `keep_output=True` (C, data, scales).
-    `path`: "auto" (dot_scaled on sm100+ and the interpreter, else "hopper"), "dot_scaled",
-    "hopper". `tiles` ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}) overrides autotuning.
+    `path`: "auto" (dot_scaled for block_size 32, else "hopper"; see `resolve_gemm_path`),
+    "dot_scaled", "hopper". `tiles` ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}) overrides autotuning.
     """
     from .mx_gemm import MXMMKey, check_epilogue, mx_mm_launch
 
@@ -330,7 +330,7 @@ def mx_mm_triton(
             raise ValueError(f"quantize_output needs N={n} to be a multiple of block_size")
     scale_mode_named(output_scale_mode, argument="output_scale_mode")
     _require(a.device, block_size=block_size)
-    use_dot_scaled = resolve_gemm_path(path, a.device, block_size)
+    use_dot_scaled = resolve_gemm_path(path, block_size)
     _check_tiles(
         tiles,
         {

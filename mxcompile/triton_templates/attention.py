@@ -37,7 +37,7 @@ import torch
 from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
 from .common import check_cast
-from .configs import attention_autotune_configs, interpreter_attention_config
+from .configs import autotuned, attention_autotune_configs, interpreter_attention_config
 from .loader import kernel_module
 
 LOG2E = math.log2(math.e)  # scores in base 2: exp(x) = 2**(x * LOG2E)
@@ -74,12 +74,10 @@ class AttentionKey:
 
 @functools.cache
 def _autotuned(block_size: int) -> Any:
-    import triton
-
     configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
     kernel = kernel_module("attention", interpret=False).mx_attention_fwd_kernel
     tune_key = ["S_Q", "S_K", *AttentionKey().meta(), "HEAD_DIM", "CAUSAL", "STORE_LSE"]
-    return triton.autotune(configs=configs, key=tune_key)(kernel)
+    return autotuned(kernel, configs, tune_key)
 
 
 _FP8_DTYPE_TO_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

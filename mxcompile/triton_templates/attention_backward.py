@@ -50,7 +50,11 @@ from ..numerics.formats import scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
 from .attention import LOG2E
 from .common import check_cast
-from .configs import attention_backward_autotune_configs, interpreter_attention_backward_config
+from .configs import (
+    attention_backward_autotune_configs,
+    autotuned,
+    interpreter_attention_backward_config,
+)
 from .loader import kernel_module
 
 ATTENTION_BACKWARD_MODES = ("both", "qk_only", "off")
@@ -87,8 +91,6 @@ class AttentionBackwardKey:
 
 @functools.cache
 def _autotuned(name: str, block_size: int) -> Any:
-    import triton
-
     configs = [
         c for c in attention_backward_autotune_configs(name)
         if c.kwargs["BLOCK_M"] % block_size == 0 and c.kwargs["BLOCK_N"] % block_size == 0
@@ -97,7 +99,7 @@ def _autotuned(name: str, block_size: int) -> Any:
     kernel = getattr(module, f"mx_attention_bwd_{name}_kernel")
     specialisation = [*AttentionBackwardKey().meta(), "CAUSAL", "MX_QK", "MX_PV"]
     tune_key = ["S_Q", "S_K", "HEAD_DIM", *specialisation]
-    return triton.autotune(configs=configs, key=tune_key)(kernel)
+    return autotuned(kernel, configs, tune_key)
 
 
 def mx_attention_backward_triton(

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along
 from .common import check_cast
-from .configs import interpreter_mx_mm_config, mx_mm_autotune_configs
+from .configs import autotuned, interpreter_mx_mm_config, mx_mm_autotune_configs
 from .loader import kernel_module
 
 EPILOGUE_OPS: tuple[str, ...] = ("bias", "gelu_tanh", "gelu_erf", "silu", "mul", "residual")
@@ -93,8 +93,6 @@ def check_epilogue(epilogue: tuple[str, ...] | list[str] | str | None) -> tuple[
 
 @functools.cache
 def _autotuned(block_size: int) -> Any:
-    import triton
-
     configs = [
         c
         for c in mx_mm_autotune_configs()
@@ -104,7 +102,7 @@ def _autotuned(block_size: int) -> Any:
         raise ValueError(f"no MX GEMM tile config fits block_size={block_size}")
     kernel = kernel_module("mx_gemm", interpret=False).mx_mm_kernel
     specialisation = [*MXMMKey().meta(), "USE_DOT_SCALED", "STORE_C", "QUANTIZE_OUT"]
-    return triton.autotune(configs=configs, key=["M", "N", "K", *specialisation])(kernel)
+    return autotuned(kernel, configs, ["M", "N", "K", *specialisation])
 
 
 def mx_mm_launch(

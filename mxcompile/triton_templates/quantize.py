@@ -16,7 +16,7 @@ import torch
 from ..numerics.formats import ElemFormat, ScaleMode, elem_format, scale_mode_named
 from ..numerics.quantize import quantize_along
 from .common import check_cast
-from .configs import interpreter_quantize_config, quantize_autotune_configs
+from .configs import autotuned, interpreter_quantize_config, quantize_autotune_configs
 from .loader import kernel_module
 
 # Meta-parameters that select a different compiled kernel: autotuning keeps a best config each.
@@ -25,8 +25,6 @@ _SPECIALISATION = ["ELEM", "SCALE_MODE", "CAST", "X_BF16_BITS", "ROWWISE", "COLW
 
 @functools.cache
 def _autotuned(block_size: int) -> Any:
-    import triton
-
     configs = [
         c
         for c in quantize_autotune_configs()
@@ -35,7 +33,7 @@ def _autotuned(block_size: int) -> Any:
     if not configs:
         raise ValueError(f"no quantize tile config fits block_size={block_size}")
     kernel = kernel_module("quantize", interpret=False).mx_quantize_kernel
-    return triton.autotune(configs=configs, key=["M", "N", *_SPECIALISATION])(kernel)
+    return autotuned(kernel, configs, ["M", "N", *_SPECIALISATION])
 
 
 def quantize_launch(
