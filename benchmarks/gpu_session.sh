@@ -3,7 +3,9 @@
 # already has torch and Triton (nothing is downloaded): the environment, `mxcompile doctor`, the
 # kernel checks and benchmarks (gpu_kernels.py), and the training step against Inductor's bf16
 # (train_step.py --device cuda). Each part has its own time limit, so one that hangs or fails
-# leaves the others' figures; logs go to the folder given (default benchmarks/results/gpu).
+# leaves the others' figures; logs go to the folder given (default benchmarks/results/gpu). The
+# two benchmarks' limits (290 s + 240 s) and the install and doctor (20 s on the H200) fit one
+# 600 s call of a lent machine.
 #
 #     benchmarks/gpu_session.sh [OUT_DIR]
 set -uo pipefail
@@ -24,9 +26,11 @@ part() {  # part NAME SECONDS COMMAND...: run with a limit, log to $out/NAME.log
 
 { nvidia-smi -L; $python -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 | tee "$out/summary.log"
 # The mxfp8 backend is found through its torch_dynamo_backends entry point: install in place.
-part install 120 $python -m pip install --no-deps --no-build-isolation --no-index -e .
-part doctor 120 $python -m mxcompile.cli.main doctor
-part gpu_kernels 210 $python benchmarks/gpu_kernels.py --check --sizes 4096 8192
+part install 60 $python -m pip install --no-deps --no-build-isolation --no-index -e .
+part doctor 60 $python -m mxcompile.cli.main doctor
+part gpu_kernels 290 $python benchmarks/gpu_kernels.py --check --sizes 4096 8192
 part train_step 240 $python benchmarks/train_step.py --device cuda --no-torchao --no-fp32 \
-    --d-model 2048 --heads 16 --layers 2 --seq 1024 --batch 8 --warmup 3 --steps 10 --rounds 3
-for name in doctor gpu_kernels train_step; do echo "----- $name"; tail -n 45 "$out/$name.log"; done
+    --d-model 2048 --heads 16 --layers 2 --seq 1024 --batch 8 --warmup 3 --steps 10 --rounds 3 --profile 15
+for name in doctor gpu_kernels; do echo "----- $name"; tail -n 45 "$out/$name.log"; done
+echo "----- train_step (the profiles are in $out/train_step.log)"
+grep -B1 -A5 "^variant" "$out/train_step.log"

@@ -5,6 +5,7 @@ fp32, the mxfp8 backend (MX attention on, and off), and torchao's emulated MXFP8
     python benchmarks/train_step.py --model llama    # HF Llama: hidden 512, 4 layers, seq 256, batch 4
     python benchmarks/train_step.py --quick          # tiny shapes, a smoke test
     python benchmarks/train_step.py --device cuda --d-model 2048 --seq 1024   # on a GPU
+    python benchmarks/train_step.py --profile 15     # then each variant's top operators in one step
 
 Every variant is compiled and warmed up first; then --rounds rounds each time --steps steps of
 every variant in turn, so that load on the machine hits all variants alike. Prints the median
@@ -125,6 +126,19 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:160]
 
 
+def print_profile(name: str, step: Callable[[], float], device: torch.device, rows: int) -> None:
+    """One step under torch.profiler: the `rows` operators with the most self time on `device`
+    (the GPU's kernel time on CUDA, the host's on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n{name}: one step, operators by {sort_by}")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
+
+
 def _time(step: Callable[[], float], steps: int) -> list[float]:
     times = []
     for _ in range(steps):
@@ -150,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 (no autocast) baseline")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 round of 2 steps")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile one step per variant and print its N costliest operators")
     args = parser.parse_args(argv)
     llama = args.model == "llama"
     args.layers = args.layers or (4 if llama else 6)
@@ -210,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         to_fp32 = f"{median / fp32:6.2f}x" if fp32 else f"{'-':>7}"
         verdict = f"target <= {TARGETS[name]}x: {'met' if ratio <= TARGETS[name] else 'MISSED'}" if name in TARGETS else ""
         print(f"{name:24} {median * 1e3:9.1f} {ratio:6.2f}x {to_fp32} {warmup[name]:17.1f}  {verdict}")
+    for name in times if args.profile else ():
+        print_profile(name, steps[name], device, args.profile)
     if not native_bf16:
         print("\nThis CPU has no native bf16 GEMM: the bf16 baseline's GEMMs are emulated (tens of times slower "
               "than fp32), while mxfp8 multiplies its exact dequantized operands in fp32 here "

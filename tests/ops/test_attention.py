@@ -357,3 +357,57 @@ def test_mx_attention_rejects_bad_options():
         mx_attention(q, k, v, key_tile=48)
     with pytest.raises(ValueError, match="either attn_mask or is_causal"):
         mx_attention(q, k, v, attn_mask=torch.zeros(64, 64), is_causal=True)
+
+
+def _counting_compiled_rounding(monkeypatch) -> list:
+    """Replace attention_reference.compiled_rounding by a wrapper recording its calls."""
+    import mxcompile.ops.attention_reference as reference
+
+    calls, compiled = [], reference.compiled_rounding
+    monkeypatch.setattr(reference, "compiled_rounding", lambda *key: calls.append(key) or compiled(*key))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dtype):
+    """Large CPU operands are rounded by a compiled graph (COMPILED_ROUNDING_MIN_NUMEL): the
+    same fp32 values as numerics.fake_quantize_along, along either axis, on strided inputs."""
+    from mxcompile.numerics import E4M3, E5M2, ScaleMode, fake_quantize_along
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, _mx_rounded
+
+    calls = _counting_compiled_rounding(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1, 4, 1, 256, 64, generator=g) * torch.logspace(-30, 30, 64)).to(dtype)
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, 1e-40, 448.0, -500.0]).to(dtype)
+    assert x.numel() >= COMPILED_ROUNDING_MIN_NUMEL
+    for operand in (x, x.transpose(-1, -2)):
+        for axis in (-1, -2):
+            for fmt, elem in ((E4M3, "e4m3"), (E5M2, "e5m2")):
+                got = _mx_rounded(operand, axis, elem, "rceil", 32)
+                want = fake_quantize_along(operand, axis % operand.ndim, fmt, ScaleMode.RCEIL, 32)
+                assert got.shape == want.shape
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (axis, elem)
+    assert len(calls) == 8
+
+
+def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
+    """The ops' outputs with the compiled rounding (large operands) against the eager one: the
+    same operand values, so equal up to the summation order of the GEMMs on other layouts."""
+    import mxcompile.ops.attention_reference as reference
+
+    (q, k, v, do), _ = _case("gqa_causal")
+    options = AttentionOptions(True, 0.125, "both", "e4m3", "rceil", 32, 128, grad_elem="e4m3")
+
+    def run():
+        out, lse = attention_forward_impl(q, k, v, None, options)
+        return (out, lse, *attention_backward_impl(do, q, k, v, None, out, lse, options))
+
+    calls = _counting_compiled_rounding(monkeypatch)
+    compiled = run()
+    assert calls, "the operands are large enough for the compiled rounding"
+    monkeypatch.setattr(reference, "COMPILED_ROUNDING_MIN_NUMEL", math.inf)
+    calls.clear()
+    eager = run()
+    assert not calls
+    for a, b in zip(compiled, eager, strict=True):
+        assert sqnr_db(a, b) >= 100  # fp32 outputs: summation order only (equal on this CPU)
