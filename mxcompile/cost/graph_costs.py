@@ -16,8 +16,8 @@ Conventions
       its cost is the bytes it reads and writes.
     * Aliasing ops (views, ``getitem``) move no data and cost nothing.
     * Workspace: scratch memory an op holds while it runs, beyond its output; counted for the
-      MX ops: the attention ops (their key-tiled CPU implementation, run one chunk of batch
-      elements at a time, keeps fp32 copies of that chunk's operands, the backward most of all), ``mx_mm`` (the
+      MX ops: the attention ops (their key-tiled CPU implementation, run one batch element at
+      a time, keeps fp32 copies of that element's operands, the backward most of all), ``mx_mm`` (the
       peak of its torch reference, :func:`mxcompile.ops.mx_mm_peak_bytes`: fp32 copies made
       while dequantizing each operand, then both operands in the GEMM's operand dtype;
       Inductor's decomposed form holds those two operands too) and the eager quantize op (bounded by its
@@ -42,7 +42,6 @@ import torch.fx as fx
 
 from ..passes.graph_facts import concrete_int, value_device
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
-from ..ops.attention import batch_chunk
 from .profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
@@ -103,14 +102,14 @@ def is_alias(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-# Scratch bytes of the MX attention ops, in fp32 copies of one chunk's query (the CPU ops run
-# a chunk of batch elements at a time, `mxcompile.ops.attention.batch_chunk`): measured with
+# Scratch bytes of the MX attention ops, in fp32 copies of one batch element's query (the CPU
+# ops run one batch element at a time, `mxcompile.ops.attention`): measured with
 # torch.profiler's allocator events (peak minus outputs) at (batch, heads, seq, head_dim) =
 # (8, 2, 64, 32), (2, 4, 256, 64), (1, 2, 512, 64), (4, 4, 128, 64) and (4, 4, 128, 32), causal
 # and not, key tile 64: forward 8.8-14.8, backward 15.5-24.7 (most at head_dim 32, where the
 # score tile is large beside the query); rounded up.
 ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
-    # schema name: (index of the query argument, fp32 copies of one chunk's query)
+    # schema name: (index of the query argument, fp32 copies of one batch element's query)
     ATTENTION_SCHEMA_NAME: (0, 15),
     ATTENTION_BACKWARD_SCHEMA_NAME: (1, 25),
 }
@@ -165,8 +164,7 @@ def workspace_bytes(node: fx.Node) -> int:
         index, copies = ATTENTION_WORKSPACE_QUERY_COPIES[name]
         query = _val(node.args[index])
         batch = max(1, concrete_int(query.shape[0]) or 1) if query is not None and query.ndim else 1
-        numel = _numel(node.args[index])
-        return copies * FP32_BYTES * numel // batch * batch_chunk(batch, numel)
+        return copies * FP32_BYTES * _numel(node.args[index]) // batch
     return aten_scratch_bytes(node)
 
 

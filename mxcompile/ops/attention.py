@@ -88,45 +88,24 @@ def attention_op(
     return _attention_forward_torch(q, k, v, attn_mask, options)
 
 
-# The torch implementation runs the batch in chunks of whole batch elements, each chunk holding
-# at most this many query elements (or one batch element): its scratch, about 25 fp32 copies of
-# the chunk's query (`cost.graph_costs.ATTENTION_WORKSPACE_QUERY_COPIES`), stays bounded, while
-# small elements share the per-call cost of the implementation's ~40 ops per key tile (the GPT
-# of benchmarks/train_step.py: 8 elements of 131072 query elements, one chunk instead of 8).
-ATTENTION_CHUNK_QUERY_NUMEL = 1 << 20
-
-
-def batch_chunk(batch: int, query_numel: int) -> int:
-    """Batch elements per chunk of the torch implementation, for a query of `query_numel`
-    elements over `batch` elements (see ATTENTION_CHUNK_QUERY_NUMEL)."""
-    per_element = max(1, query_numel // max(1, batch))
-    return max(1, min(batch, ATTENTION_CHUNK_QUERY_NUMEL // per_element))
-
-
-def _batch_chunks(q: torch.Tensor) -> list[slice]:
-    batch = q.shape[0]
-    chunk = batch_chunk(batch, q.numel())
-    return [slice(lo, min(lo + chunk, batch)) for lo in range(0, batch, chunk)]
-
-
-def _batch_mask(attn_mask: torch.Tensor | None, batch: int, part: slice) -> torch.Tensor | None:
-    """The part of ``attn_mask`` (broadcastable to (batch, H, Tq, Tk)) for the batch elements ``part``."""
+def _batch_mask(attn_mask: torch.Tensor | None, batch: int, index: int) -> torch.Tensor | None:
+    """The part of ``attn_mask`` (broadcastable to (batch, H, Tq, Tk)) for batch element ``index``."""
     if attn_mask is None or attn_mask.ndim < 4 or attn_mask.shape[0] != batch:
         return attn_mask
-    return attn_mask[part]
+    return attn_mask[index : index + 1]
 
 
 def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation, run one chunk of batch
-    elements at a time (`batch_chunk`): its scratch (fp32 copies of the operands,
-    `attention_reference`'s "Memory") is that of one chunk, not of the batch. Every block of the
-    MX quantization lies within one (batch element, head), so the values are those of one
-    batched call."""
+    """The op's outputs, in its layouts, from the torch implementation, run one batch element
+    at a time: its scratch (fp32 copies of the operands, `attention_reference`'s "Memory") is
+    that of one element, not of the batch. Every block of the MX quantization lies within one
+    (batch element, head), so the values are those of one batched call."""
     batch, heads, q_len, _ = q.shape
     out = _empty_output(q, v.shape[-1])
     lse = _empty_sequence_major(q, (batch, heads, q_len), torch.float32)
-    for part in _batch_chunks(q):
-        out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, part), options)
+    for b in range(batch):
+        part = slice(b, b + 1)
+        out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, b), options)
         out[part].copy_(out_b)
         lse[part].copy_(lse_b)
     return out, lse
@@ -167,12 +146,13 @@ def attention_backward_op(
 
 
 def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation, one chunk of batch
-    elements at a time (as `_attention_forward_torch`)."""
+    """The op's outputs, in its layouts, from the torch implementation, one batch element at a
+    time (as `_attention_forward_torch`)."""
     batch = q.shape[0]
     grads = tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
-    for part in _batch_chunks(q):
-        parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
+    for b in range(batch):
+        part = slice(b, b + 1)
+        parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, b),
                                         out[part], lse[part], options)
         for grad, grad_b in zip(grads, parts):
             grad[part].copy_(grad_b)
