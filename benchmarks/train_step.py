@@ -1,5 +1,6 @@
-"""Training-step time on CPU, in one run: torch.compile's default backend in bf16 autocast and in
-fp32, the mxfp8 backend (MX attention on, and off), and torchao's emulated MXFP8 training recipe.
+"""Training-step time in one run (CPU, or a GPU with --device cuda): torch.compile's default
+backend in bf16 autocast and in fp32, the mxfp8 backend (MX attention on, and off), and
+torchao's emulated MXFP8 training recipe.
 
     python benchmarks/train_step.py                  # built-in GPT: width 512, 6 layers, seq 256, batch 8
     python benchmarks/train_step.py --model llama    # HF Llama: hidden 512, 4 layers, seq 256, batch 4
