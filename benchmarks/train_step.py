@@ -135,7 +135,7 @@ def print_profile(name: str, step: Callable[[], float], device: torch.device, ro
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(f"\n{name}: one step, operators by {sort_by}")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
 
