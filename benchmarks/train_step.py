@@ -164,10 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-torchao", action="store_true")
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 (no autocast) baseline")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 round of 2 steps")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step per variant and print its N costliest operators")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+                     "run on a GPU machine with a CUDA build of torch, or use --device cpu")
     llama = args.model == "llama"
     args.layers = args.layers or (4 if llama else 6)
     args.batch = args.batch or (4 if llama else 8)
