@@ -1,6 +1,7 @@
 """Training-step time in one run (CPU, or a GPU with --device cuda): torch.compile's default
-backend in bf16 autocast and in fp32, the mxfp8 backend (MX attention on, and off), and
-torchao's emulated MXFP8 training recipe.
+backend in bf16 autocast and in fp32, the mxfp8 backend (MX attention on, and off; on a GPU
+also with the Triton MX GEMM kernel forced, `gemm_kernel="triton"`), and torchao's emulated
+MXFP8 training recipe.
 
     python benchmarks/train_step.py                  # built-in GPT: width 512, 6 layers, seq 256, batch 8
     python benchmarks/train_step.py --model llama    # HF Llama: hidden 512, 4 layers, seq 256, batch 4
@@ -51,6 +52,9 @@ VARIANTS = (
     ("mxfp8", "mxfp8", None, True),
     ("mxfp8, attention off", "mxfp8", {"attention": "off"}, True),
 )
+# On a GPU without MX tensor cores the mxfp8 variants run dequantized GEMMs (gemm_kernel "auto");
+# this one runs the Triton MX GEMM kernel instead, side by side.
+TRITON_GEMM_VARIANT = ("mxfp8, Triton MX GEMM", "mxfp8", {"gemm_kernel": "triton"}, True)
 # torchao's training-op wrappers, and the errors a prototype path raises on CPU.
 TORCHAO_ERRORS = (RuntimeError, AssertionError, NotImplementedError, TypeError, ValueError)
 
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fp32", action="store_true", help="skip the fp32 (no autocast) baseline")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 round of 2 steps")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--no-triton-gemm", action="store_true",
+                        help=f"with --device cuda, skip the {TRITON_GEMM_VARIANT[0]!r} variant")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step per variant and print its N costliest operators")
     args = parser.parse_args(argv)
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bf16 GEMMs native on this CPU (AVX512-BF16 or AMX): {native_bf16}")
     steps: dict[str, Callable[[], float] | None] = {}
     notes: dict[str, str] = {}
-    for name, backend, options, autocast in VARIANTS:
+    variants = VARIANTS + ((TRITON_GEMM_VARIANT,) if device.type == "cuda" and not args.no_triton_gemm else ())
+    for name, backend, options, autocast in variants:
         if args.no_fp32 and name == FP32_VARIANT:
             continue
         model = copy.deepcopy(work.model)

@@ -8,7 +8,7 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 
 from ._version import __version__
 from .backend import MXKeptWarning, clear_reports, compile, report_of, reports
-from .config import AttentionMode, FsdpAllGather, MemoryBudget, MXConfig
+from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
 from .numerics import MXTensor
@@ -17,6 +17,7 @@ from .report import Report
 __all__ = [
     "AttentionMode",
     "FsdpAllGather",
+    "GemmKernel",
     "MemoryBudget",
     "MXConfig",
     "MXKeptWarning",

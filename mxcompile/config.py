@@ -23,6 +23,18 @@ class AttentionMode(NamedEnum):
     OFF = "off"
 
 
+class GemmKernel(NamedEnum):
+    """What runs an MX GEMM in a compiled CUDA graph. `TRITON`: the Triton MX GEMM kernel
+    (`tl.dot_scaled`: MX tensor cores on sm100+, emulated through bf16 by Triton below).
+    `DEQUANTIZED`: Inductor's GEMM (cuBLAS) of the operands dequantized to bf16 (fp32 for fp32
+    outputs), which is exact, so the products are the MX products. `AUTO`: `TRITON` where the GPU
+    has MX tensor cores, `DEQUANTIZED` elsewhere. CPU graphs always take the dequantized form."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    DEQUANTIZED = "dequantized"
+
+
 class FsdpAllGather(NamedEnum):
     """The dtype FSDP2 weight shards travel in: high precision, or MXFP8 quantized before the all-gather."""
 
@@ -35,6 +47,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "grad_elem": ElemFormatName,
     "scale_mode": ScaleMode,
     "attention": AttentionMode,
+    "gemm_kernel": GemmKernel,
     "fsdp_all_gather": FsdpAllGather,
 }
 
@@ -65,6 +78,9 @@ class MXConfig:
     exclude: tuple[str, ...] = ()  # regexes on module names; wins over include
     min_gemm_flops: int = 0  # GEMMs with fewer FLOPs (2*M*N*K) stay in high precision
     attention: AttentionMode = AttentionMode.BOTH
+
+    # Lowering.
+    gemm_kernel: GemmKernel = GemmKernel.AUTO
 
     # Memory planner.
     # Bytes or a fraction of the activation headroom; options also take '6GiB', '50%' or a float

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.utils import dynamo_timed
+from torch._dynamo.utils import counters, dynamo_timed
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
@@ -29,9 +29,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
 from .ops.mx_mm import MX_MM, gemm_operand_dtype
-from .ops.quantize import QUANTIZE, dequantize_for_inductor, fake_quantize_for_inductor
+from .config import GemmKernel
+from .ops.quantize import QUANTIZE, dequantize_for_inductor, fake_quantize_for_inductor, fake_quantize_with_casts
 from .passes.graph_facts import value_device
-from .passes.meta_keys import PLANNED_GRAPH_KEY
+from .passes.meta_keys import GEMM_KERNEL_KEY, PLANNED_GRAPH_KEY
+from .triton_templates import has_mx_tensor_cores
 
 MX_OPS = frozenset(DECOMPOSITIONS)
 
@@ -80,7 +82,8 @@ def _only_feeds_an_add(node: fx.Node) -> bool:
 
 
 # The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
-_LOWERING_HELPERS = (fake_quantize_for_inductor, dequantize_for_inductor, _matmul, _product_not_fused_with_bias)
+_LOWERING_HELPERS = (fake_quantize_for_inductor, fake_quantize_with_casts, dequantize_for_inductor, _matmul,
+                     _product_not_fused_with_bias)
 
 
 def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
@@ -93,26 +96,49 @@ def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
     return None
 
 
+def runs_triton_mx_gemm(kernel: GemmKernel, device: torch.device) -> bool:
+    """Whether a compiled graph on `device` runs its MX GEMMs with the Triton MX GEMM kernel
+    (else: a high-precision GEMM of the exactly dequantized operands, `lower_mx_gemms`).
+
+    CPU graphs never do (no Triton). On CUDA, "auto" takes the Triton kernel where the GPU has
+    MX tensor cores: below sm100 Triton emulates tl.dot_scaled through bf16, which on an H200
+    ran at 193 TFLOP/s against cuBLAS bf16's 720-737 on the same exact products
+    (benchmarks/results/h200-2026-12-04/gpu_kernels.log)."""
+    if torch.device(device).type != "cuda":
+        return False
+    if kernel is GemmKernel.AUTO:
+        return has_mx_tensor_cores(device)
+    return kernel is GemmKernel.TRITON
+
+
+def _runs_dequantized(node: fx.Node) -> bool:
+    return not runs_triton_mx_gemm(node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO), value_device(node))
+
+
 def lower_mx_gemms(gm: fx.GraphModule) -> int:
-    """Rewrite each mxcompile::mx_mm into a high-precision matmul of its dequantized operands.
+    """Rewrite each mxcompile::mx_mm that runs dequantized (`runs_triton_mx_gemm`: all of them
+    on CPU) into a high-precision matmul of its dequantized operands.
 
     An operand quantized in this same graph is fake-quantized straight from its high-precision
-    source (`numerics.rounding`: bit-identical values, no fp8 round trip); an operand that
-    arrives as fp8 (saved by the forward for the backward) is dequantized. Returns the count.
-    """
+    source (bit-identical values, no fp8 round trip: on CPU in fp32 arithmetic that Inductor
+    vectorizes, `numerics.rounding`; on CUDA with the fp8 cast, `fake_quantize_with_casts`); an
+    operand that arrives as fp8 (saved by the forward for the backward) is dequantized. Returns
+    the count."""
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not MX_MM:
+        if node.op != "call_function" or node.target is not MX_MM or not _runs_dequantized(node):
             continue
         a, a_scale, b, b_scale, block_size, out_dtype = node.args
-        operand_dtype = gemm_operand_dtype(out_dtype, value_device(node))
+        device = value_device(node)
+        operand_dtype = gemm_operand_dtype(out_dtype, device)
+        fake_quantize = fake_quantize_with_casts if device.type == "cuda" else fake_quantize_for_inductor
         with gm.graph.inserting_before(node):
             operands = []
             for data, scale, axis in ((a, a_scale, -1), (b, b_scale, -2)):
                 producer = _producing_quantize(data, scale)
                 if producer is not None:
                     operands.append(gm.graph.call_function(
-                        fake_quantize_for_inductor, (*producer.args, operand_dtype)))
+                        fake_quantize, (*producer.args, operand_dtype)))
                 else:
                     ndim = data.meta["val"].ndim
                     operands.append(gm.graph.call_function(
@@ -235,10 +261,10 @@ def decompose_mx_ops(
     and ops a pass inserted in a form Inductor does not take), one at a time, each spliced into
     the graph in place of its node: the rest of the graph, already in Inductor's form from
     AOTAutograd, is not traced again. Nodes need their fake values (meta["val"])."""
-    if not has_mx_ops(gm, MX_OPS - opaque):
+    lowered = lower_mx_gemms(gm)
+    counters["mxcompile"]["dequantized_mx_gemms"] += lowered
+    if not lowered and not has_mx_ops(gm, MX_OPS - opaque):
         return gm
-    if MX_MM not in opaque:
-        lower_mx_gemms(gm)
     table = {**select_decomp_table(), **{op: f for op, f in DECOMPOSITIONS.items() if op not in opaque}}
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:  # real inputs (a graph traced outside AOTAutograd): give it one fake mode

@@ -26,7 +26,7 @@ from rich.text import Text
 
 from .. import examples
 from .._version import __version__
-from ..config import MXConfig
+from ..config import GemmKernel, MXConfig
 from ..examples.data import CORPUS_INSTALL_HINT
 from . import plots
 from .errors import EXIT_FAILURE, EXIT_OK, one_line
@@ -181,7 +181,8 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     from ..ops.attention_checks import triton_attention_unsupported
     from ..ops.mx_mm import triton_mx_mm_unsupported
     from ..ops.quantize import triton_quantize_unsupported
-    from ..triton_templates import NATIVE_DOT_SCALED_CAPABILITY, resolve_gemm_path
+    from ..lowering import runs_triton_mx_gemm
+    from ..triton_templates import has_mx_tensor_cores, resolve_gemm_path
 
     if not _has_triton_kernels(device):
         reason = f"tensors on {device.type}: the Triton kernels run for CUDA tensors only"
@@ -192,10 +193,13 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     checks = [_kernel_check("MX quantize", "Triton quantize kernel", why)]
     why = triton_mx_mm_unsupported(x, x, config.block_size)
     if resolve_gemm_path("auto", config.block_size):
-        emulated = device.type == "cuda" and torch.cuda.get_device_capability(device) < NATIVE_DOT_SCALED_CAPABILITY
-        gemm = "Triton MX GEMM with tl.dot_scaled" + (" (emulated through bf16 below sm100)" if emulated else "")
+        gemm = "Triton MX GEMM with tl.dot_scaled" + ("" if has_mx_tensor_cores(device) else " (emulated through bf16 below sm100)")
     else:
         gemm = f"Triton MX GEMM, FP8 tl.dot per scale block (tl.dot_scaled needs block_size 32, not {config.block_size})"
+    if device.type == "cuda" and not runs_triton_mx_gemm(config.gemm_kernel, device):
+        reason = ("no MX tensor cores below sm100, gemm_kernel='auto'"
+                  if config.gemm_kernel is GemmKernel.AUTO else f"gemm_kernel={config.gemm_kernel.value!r}")
+        gemm += f"; compiled graphs run cuBLAS GEMMs of the exactly dequantized operands instead ({reason})"
     checks.append(_kernel_check("MX GEMM", gemm, why))
     q, k, v, grad_out, out = (torch.empty(ATTENTION_SHAPE, dtype=ATTENTION_DTYPE, device=device) for _ in range(5))
     lse = torch.empty(ATTENTION_SHAPE[:-1], dtype=torch.float32, device=device)

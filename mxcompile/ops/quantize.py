@@ -237,6 +237,26 @@ def fake_quantize_for_inductor(
     return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=_realized).to(dtype)
 
 
+def fake_quantize_with_casts(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """dequantize(quantize(x)) as `dtype`, for Inductor's CUDA (Triton) code generation: the
+    numerics core's own definition (scale bytes by bit manipulation, elements by the fp8 cast),
+    which Triton runs natively, fused into one kernel with no fp8 tensor stored.
+
+    Not `fake_quantize_for_inductor`'s fp32-arithmetic rounding: its Veltkamp splits
+    (c = v*s; c - (c - v)) are exact only if every product is rounded before the subtraction,
+    and Triton contracts a multiply and an add into an FMA by default (Inductor compiles its
+    kernels with `enable_fp_fusion`), which skips that rounding."""
+    axis %= x.ndim
+    if _is_transposed_contiguous(x):
+        swapped = _swap_last_two(axis, x.ndim)
+        return fake_quantize_with_casts(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
+    data, scale_bytes = quantize_along(x, axis, fmt, scale_mode, block_size)
+    return dequantize_along(data, scale_bytes, axis, block_size, dtype)
+
+
 def dequantize_for_inductor(
     data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -35,6 +35,7 @@ from ..numerics import ElemFormatName
 from ..ops.mx_mm import MX_MM
 from ..ops.quantize import QUANTIZE
 from .graph_facts import NodeBuilder, concrete_int, fake_value, module_name
+from .meta_keys import GEMM_KERNEL_KEY
 
 aten = torch.ops.aten
 
@@ -142,4 +143,5 @@ def emit_mx_gemm(
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
     out_dtype = fake_value(node).dtype
     result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
+    result.meta[GEMM_KERNEL_KEY] = config.gemm_kernel
     return result, build

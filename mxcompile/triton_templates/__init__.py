@@ -63,6 +63,15 @@ TRITON_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPE_TO_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
+def has_mx_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` is a GPU whose tensor cores multiply MX operands (sm100+), where
+    tl.dot_scaled is native rather than emulated through bf16."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA tensors on a GPU-less machine
+        return False
+    return torch.cuda.get_device_capability(device) >= NATIVE_DOT_SCALED_CAPABILITY
+
+
 def _interpreting() -> bool:
     from .loader import interpreter_enabled
 

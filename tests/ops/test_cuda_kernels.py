@@ -3,8 +3,9 @@
 
 Eager: called directly on CPU tensors under the interpreter, the CUDA kernels (the Triton
 path) equal the torch references. Tracing: with fake CUDA tensors (no GPU here) a graph of the
-ops is traced and lowered as for CUDA: quantize and mx_mm stay opaque (Inductor runs them as
-fallback kernels, which dispatch to the CUDA kernels), dequantize is decomposed.
+ops is traced and lowered as for CUDA: quantize stays opaque (Inductor runs it as a fallback
+kernel, which dispatches to the CUDA kernel), dequantize is decomposed, and mx_mm stays opaque
+where `lowering.runs_triton_mx_gemm` says so, else becomes a GEMM of dequantized operands.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from mxcompile import lowering
+from mxcompile.config import GemmKernel
 from mxcompile.lowering import decompose_mx_ops
 from mxcompile.ops import CUDA_KERNEL_OPS
 from mxcompile.ops.mx_mm import MX_MM, mx_mm_cuda, triton_mx_mm_unsupported
 from mxcompile.ops.quantize import DEQUANTIZE, QUANTIZE, quantize_cuda, triton_quantize_unsupported
+from mxcompile.passes.meta_keys import GEMM_KERNEL_KEY
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # the Triton path on the CPU
 
@@ -63,18 +67,46 @@ def test_quantize_and_mx_mm_have_cuda_kernels() -> None:
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(DEQUANTIZE.name(), "CUDA")
 
 
-def test_cuda_lowering_keeps_the_kernel_ops_opaque(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a GPU-less machine
+def _lowered_cuda_targets(kernel: GemmKernel | None) -> list:
+    """Targets of `_graph` traced with fake CUDA tensors and lowered as for CUDA, its mx_mm node
+    carrying `kernel` as gemm_rewrite records it (None: no record)."""
     mode = FakeTensorMode()
     with mode:
         x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(128, 96, device="cuda", dtype=torch.bfloat16)
     gm = make_fx(_graph, tracing_mode="fake")(x, w)
+    if kernel is not None:
+        (mm,) = [n for n in gm.graph.nodes if n.target is MX_MM]
+        mm.meta[GEMM_KERNEL_KEY] = kernel
     lowered = decompose_mx_ops(gm, [x, w], opaque=CUDA_KERNEL_OPS)
-    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
-    assert targets.count(QUANTIZE) == 2 and targets.count(MX_MM) == 1
+    return [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("kernel, mx_tensor_cores, triton_gemm", [
+    (GemmKernel.TRITON, False, True),
+    (GemmKernel.DEQUANTIZED, True, False),
+    (GemmKernel.AUTO, True, True),
+    (GemmKernel.AUTO, False, False),  # Hopper and older: no MX tensor cores
+    (None, False, False),  # an mx_mm no pass recorded a kernel for: "auto"
+])
+def test_cuda_lowering_keeps_the_kernel_ops_opaque(monkeypatch: pytest.MonkeyPatch, kernel, mx_tensor_cores,
+                                                  triton_gemm) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a GPU-less machine
+    monkeypatch.setattr(lowering, "has_mx_tensor_cores", lambda device: mx_tensor_cores)
+    targets = _lowered_cuda_targets(kernel)
     assert DEQUANTIZE not in targets  # no CUDA kernel of its own: decomposed for Inductor
-    # CPU lowering decomposes everything.
+    if triton_gemm:
+        assert targets.count(QUANTIZE) == 2  # the Triton quantize kernel: one per operand
+        assert targets.count(MX_MM) == 1
+    else:  # a GEMM of fake-quantized operands (fp8 casts: Triton contracts FMAs) that Inductor lowers
+        assert targets.count(QUANTIZE) == 1  # w's fp8 copy, which the second output dequantizes
+        assert MX_MM not in targets
+        assert torch.ops.aten.mm.default in targets
+        assert torch.ops.prims.convert_element_type.default in targets
+        assert targets.count(torch.ops.aten.amax.default) == 2  # each operand's block maxima
+
+
+def test_cpu_lowering_decomposes_every_mx_op() -> None:
     cpu = make_fx(_graph)(torch.randn(64, 128), torch.randn(128, 96))
     cpu_targets = {n.target for n in decompose_mx_ops(cpu, [torch.randn(64, 128), torch.randn(128, 96)]).graph.nodes}
     assert not cpu_targets & {QUANTIZE, MX_MM, DEQUANTIZE}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxcompile.ops.quantize import fake_quantize_for_inductor, quantize_for_inductor
+from mxcompile.ops.quantize import fake_quantize_for_inductor, fake_quantize_with_casts, quantize_for_inductor
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
 
 # opcheck's schema test compares inputs bitwise with an op that fp8 tensors lack in torch 2.13
@@ -59,6 +59,22 @@ def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
             want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
             same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
             assert same.all(), (scale_mode, axis)
+
+
+@pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
+def test_cuda_fake_quantize_form_is_the_numerics_core_in_memory_order(elem):
+    """`fake_quantize_with_casts` (the CUDA lowering's operand form; compiled on a GPU in
+    tests/backend/test_cuda_compile.py) eagerly: dequantize(quantize(x)) bit for bit, for a
+    plain input and for a transposed-contiguous one, which it rounds in its memory order."""
+    x = _special_data()
+    for scale_mode in ScaleMode:
+        for source in (x, x.t().contiguous().t()):
+            for axis in (0, 1):
+                got = fake_quantize_with_casts(source, axis, elem, scale_mode.value, 32, torch.bfloat16)
+                data, scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
+                want = dequantize_along(data, scale, axis, 32, torch.bfloat16)
+                assert got.stride() == source.stride()
+                assert _same_bits(got, want), (scale_mode, axis, source.stride())
 
 
 def test_ops_fake_implementations_match_the_real_ones():
