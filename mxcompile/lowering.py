@@ -30,7 +30,13 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
 from .ops.mx_mm import MX_MM, gemm_operand_dtype
 from .config import GemmKernel
-from .ops.quantize import QUANTIZE, dequantize_for_inductor, fake_quantize_for_inductor, fake_quantize_with_casts
+from .ops.quantize import (
+    QUANTIZE,
+    dequantize_for_inductor,
+    fake_quantize_for_inductor,
+    fake_quantize_with_casts,
+    quantize_with_casts,
+)
 from .passes.graph_facts import value_device
 from .passes.meta_keys import GEMM_KERNEL_KEY, PLANNED_GRAPH_KEY
 from .triton_templates import has_mx_tensor_cores
@@ -82,8 +88,8 @@ def _only_feeds_an_add(node: fx.Node) -> bool:
 
 
 # The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
-_LOWERING_HELPERS = (fake_quantize_for_inductor, fake_quantize_with_casts, dequantize_for_inductor, _matmul,
-                     _product_not_fused_with_bias)
+_LOWERING_HELPERS = (fake_quantize_for_inductor, fake_quantize_with_casts, quantize_with_casts,
+                     dequantize_for_inductor, _matmul, _product_not_fused_with_bias)
 
 
 def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
@@ -112,7 +118,27 @@ def runs_triton_mx_gemm(kernel: GemmKernel, device: torch.device) -> bool:
 
 
 def _runs_dequantized(node: fx.Node) -> bool:
-    return not runs_triton_mx_gemm(node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO), value_device(node))
+    """For an mx_mm node, or a quantize node of an MX GEMM: not the Triton kernels."""
+    device = value_device(node.args[0])  # an input's: a quantize node's value is a tuple
+    return not runs_triton_mx_gemm(node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO), device)
+
+
+def lower_cuda_quantizes(gm: fx.GraphModule) -> int:
+    """Point each mxcompile::quantize node of a CUDA graph whose MX GEMM runs dequantized
+    (`runs_triton_mx_gemm`) at `quantize_with_casts`, for Inductor to fuse into its kernels
+    instead of calling the Triton quantize kernel through the op (whose Python dispatch costs
+    ~200 us of host time per call on an H200 host, more than the kernel's ~67 us). These are the
+    quantizations the forward keeps for the backward (the GEMMs' own operands are
+    fake-quantized by `lower_mx_gemms`). Returns the count."""
+    count = 0
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is QUANTIZE and value_device(node.args[0]).type == "cuda"
+                and GEMM_KERNEL_KEY in node.meta and _runs_dequantized(node)):
+            node.target = quantize_with_casts
+            count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 def lower_mx_gemms(gm: fx.GraphModule) -> int:
@@ -263,6 +289,7 @@ def decompose_mx_ops(
     AOTAutograd, is not traced again. Nodes need their fake values (meta["val"])."""
     lowered = lower_mx_gemms(gm)
     counters["mxcompile"]["dequantized_mx_gemms"] += lowered
+    lowered += lower_cuda_quantizes(gm)
     if not lowered and not has_mx_ops(gm, MX_OPS - opaque):
         return gm
     table = {**select_decomp_table(), **{op: f for op, f in DECOMPOSITIONS.items() if op not in opaque}}

@@ -46,6 +46,7 @@ from ..numerics import elem_format, quantize_along
 from ..numerics import scale_mode_named
 from .attention_checks import triton_attention_unsupported
 from .attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
+from .quantize import quantize_with_triton, triton_quantize_unsupported
 
 _log = logging.getLogger(__name__)
 
@@ -165,6 +166,27 @@ def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, 
     return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
 
 
+HEAD_DIM_AXIS, SEQUENCE_AXIS = 3, 2  # of a (batch, heads, sequence, head_dim) operand
+
+
+def _quantize_operand(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention operand (batch, heads, sequence, head_dim) quantized along head_dim or the
+    sequence into contiguous data and scales: with one Triton quantize kernel where it runs
+    (the operand as a (rows, head_dim) matrix, quantized along its rows or its columns; blocks
+    of 32 rows stay within one head when the sequence is a multiple of the block), else with
+    the numerics core in eager ops (about fifteen kernels per operand)."""
+    along_sequence = axis == SEQUENCE_AXIS
+    if triton_quantize_unsupported(x, elem, block_size) is None and (
+            not along_sequence or x.shape[SEQUENCE_AXIS] % block_size == 0):
+        data, scale = quantize_with_triton(x.reshape(-1, x.shape[-1]), 0 if along_sequence else 1, elem,
+                                           scale_mode, block_size)
+        scale_shape = list(x.shape)
+        scale_shape[axis] //= block_size
+        return data.reshape(x.shape), scale.reshape(scale_shape)
+    return quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
+
+
 @attention_op.register_kernel("cuda")
 def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem, scale_mode,
                            block_size, key_tile):
@@ -172,7 +194,7 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode,
     `triton_attention_unsupported` says it can run (no mask, equal head counts, attention_mode
     "both", block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
     otherwise (logged at DEBUG level with the reason). Q and K are quantized along head_dim and
-    V along the keys with the numerics core (`quantize_along`), then the kernel quantizes P per
+    V along the keys (`_quantize_operand`), then the kernel quantizes P per
     key tile in the same format and scale mode. The outputs have the op's layouts (the fake
     implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
     on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
@@ -185,10 +207,9 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode,
         return _attention_forward_torch(q, k, v, attn_mask, options)
     from ..triton_templates import mx_attention_triton
 
-    fmt, rule = elem_format(forward_elem), scale_mode_named(scale_mode)
-    q_data, q_scale = quantize_along(q, 3, fmt, rule, block_size)  # along head_dim
-    k_data, k_scale = quantize_along(k, 3, fmt, rule, block_size)
-    v_data, v_scale = quantize_along(v, 2, fmt, rule, block_size)  # along the keys
+    q_data, q_scale = _quantize_operand(q, HEAD_DIM_AXIS, forward_elem, scale_mode, block_size)
+    k_data, k_scale = _quantize_operand(k, HEAD_DIM_AXIS, forward_elem, scale_mode, block_size)
+    v_data, v_scale = _quantize_operand(v, SEQUENCE_AXIS, forward_elem, scale_mode, block_size)
     out, lse = mx_attention_triton(
         q_data, q_scale, k_data, k_scale, v_data, v_scale, sm_scale=scale, causal=is_causal,
         block_size=block_size, out_dtype=q.dtype, p_elem=forward_elem, p_scale_mode=scale_mode,

@@ -17,6 +17,7 @@ view tensors as torch.float8_e8m0fnu (the public API converts at its edge,
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -205,56 +206,84 @@ def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, b
     return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, inverse
 
 
-def quantize_for_inductor(
-    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
-    (tests/ops/test_quantize.py), vectorizable element loops (`numerics.rounding`), no
-    transposition of a transposed-contiguous input."""
+def _in_memory_order(function: Callable[..., Any], x: torch.Tensor, axis: int, *args: Any) -> Any:
+    """function(x, axis, *args), run on the memory order of a transposed-contiguous x (the
+    saved transposed weight) instead of transposing it: its tensor outputs are transposed back
+    (views)."""
     axis %= x.ndim
-    if _is_transposed_contiguous(x):
-        data, scales = quantize_for_inductor(x.mT, _swap_last_two(axis, x.ndim), elem, scale_mode, block_size)
-        return data.mT, scales.mT.contiguous()
+    if not _is_transposed_contiguous(x):
+        return function(x, axis, *args)
+    out = function(x.mT, _swap_last_two(axis, x.ndim), *args)
+    return tuple(t.mT for t in out) if isinstance(out, tuple) else out.mT
+
+
+def _quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
+                         block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = elem_format(elem)
     blocks, scale_bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     values = quantize_blocks(blocks, inverse, fmt)
     # NaN blocks (scale byte 0xFF, scale NaN): the positive NaN, whatever NaN the arithmetic
     # produced (fmt.nan_byte).
     values = torch.where(scale.isnan(), float("nan"), values)
-    data = values.to(fmt.dtype).reshape(x.shape)
-    return data, scale_bytes.to(torch.uint8).squeeze(axis + 1).contiguous()
+    return values.to(fmt.dtype).reshape(x.shape), scale_bytes.to(torch.uint8).squeeze(axis + 1)
+
+
+def _quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
+
+
+def quantize_for_inductor(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
+    (tests/ops/test_quantize.py), vectorizable element loops (`numerics.rounding`), no
+    transposition of a transposed-contiguous input."""
+    data, scales = _in_memory_order(_quantize_arithmetic, x, axis, elem, scale_mode, block_size)
+    return data, scales.contiguous()
+
+
+def quantize_with_casts(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxcompile::quantize for Inductor's CUDA (Triton) code generation: the numerics core's own
+    definition (`quantize_along`: scale bytes by bit manipulation, elements by the fp8 cast),
+    which Triton runs natively, and no transposition of a transposed-contiguous input.
+
+    Not the CPU form's fp32-arithmetic rounding (`numerics.rounding`): its Veltkamp splits
+    (c = v*s; c - (c - v)) are exact only if every product is rounded before the subtraction,
+    and Triton contracts a multiply and an add into an FMA by default (Inductor compiles its
+    kernels with `enable_fp_fusion`), which skips that rounding."""
+    data, scales = _in_memory_order(_quantize_casts, x, axis, elem, scale_mode, block_size)
+    return data, scales.contiguous()
+
+
+def _fake_quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
+                              dtype: torch.dtype) -> torch.Tensor:
+    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
+    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=_realized).to(dtype)
+
+
+def _fake_quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    data, scale_bytes = _quantize_casts(x, axis, elem, scale_mode, block_size)
+    return dequantize_along(data, scale_bytes, axis, block_size, dtype)
 
 
 def fake_quantize_for_inductor(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) as `dtype` without an fp8 round trip (an MX GEMM operand)."""
-    axis %= x.ndim
-    if _is_transposed_contiguous(x):
-        swapped = _swap_last_two(axis, x.ndim)
-        return fake_quantize_for_inductor(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
-    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=_realized).to(dtype)
+    """dequantize(quantize(x)) as `dtype` without an fp8 round trip (an MX GEMM operand), in
+    the CPU form of `quantize_for_inductor`."""
+    return _in_memory_order(_fake_quantize_arithmetic, x, axis, elem, scale_mode, block_size, dtype)
 
 
 def fake_quantize_with_casts(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """dequantize(quantize(x)) as `dtype`, for Inductor's CUDA (Triton) code generation: the
-    numerics core's own definition (scale bytes by bit manipulation, elements by the fp8 cast),
-    which Triton runs natively, fused into one kernel with no fp8 tensor stored.
-
-    Not `fake_quantize_for_inductor`'s fp32-arithmetic rounding: its Veltkamp splits
-    (c = v*s; c - (c - v)) are exact only if every product is rounded before the subtraction,
-    and Triton contracts a multiply and an add into an FMA by default (Inductor compiles its
-    kernels with `enable_fp_fusion`), which skips that rounding."""
-    axis %= x.ndim
-    if _is_transposed_contiguous(x):
-        swapped = _swap_last_two(axis, x.ndim)
-        return fake_quantize_with_casts(x.mT, swapped, elem, scale_mode, block_size, dtype).mT
-    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    data, scale_bytes = quantize_along(x, axis, fmt, scale_mode, block_size)
-    return dequantize_along(data, scale_bytes, axis, block_size, dtype)
+    """dequantize(quantize(x)) as `dtype`, in the CUDA form of `quantize_with_casts`: fused by
+    Inductor into one kernel with no fp8 tensor stored."""
+    return _in_memory_order(_fake_quantize_casts, x, axis, elem, scale_mode, block_size, dtype)
 
 
 def dequantize_for_inductor(

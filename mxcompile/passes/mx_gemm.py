@@ -140,6 +140,7 @@ def emit_mx_gemm(
         # The op schemas take str: enum members cross the torch.library boundary as their values.
         q = build.call(QUANTIZE, operand, axis, elem.value,
                        config.scale_mode.value, config.block_size)
+        q.meta[GEMM_KERNEL_KEY] = config.gemm_kernel
         quantized += [build.call(operator.getitem, q, 0), build.call(operator.getitem, q, 1)]
     out_dtype = fake_value(node).dtype
     result = build.call(MX_MM, *quantized, config.block_size, out_dtype)

@@ -1,7 +1,7 @@
 """Compiled CUDA graphs, on a GPU only (skipped elsewhere; `benchmarks/gpu_session.sh` runs them).
 
-- `fake_quantize_with_casts`, compiled by Inductor for CUDA (Triton code, FMA contraction on),
-  gives the numerics core's bits (computed eagerly on the CPU) in every scale mode, both
+- `quantize_with_casts` and `fake_quantize_with_casts`, compiled by Inductor for CUDA (Triton
+  code, FMA contraction on), give the numerics core's bits (computed eagerly on the CPU) in every scale mode, both
   element formats, along either axis, with zeros, NaN, Inf and subnormal blocks.
 - A linear layer compiled with each `gemm_kernel` equals the recipe's independent emulation
   (`mx_testing.MXLinearFunction`) in output and gradients within fp32 summation order,
@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 from mx_testing import MXLinearFunction
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
-from mxcompile.ops.quantize import fake_quantize_with_casts
+from mxcompile.ops.quantize import fake_quantize_with_casts, quantize_with_casts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,16 +40,25 @@ def _special_data(seed: int = 0) -> torch.Tensor:
     return x
 
 
-def test_compiled_fake_quantize_with_casts_gives_the_numerics_core_bits() -> None:
+def _both_cuda_forms(x: torch.Tensor, axis: int, elem: str, scale_mode: str):
+    """The CUDA lowering's quantize and fake-quantize in one graph (one compile per case)."""
+    return (quantize_with_casts(x, axis, elem, scale_mode, 32),
+            fake_quantize_with_casts(x, axis, elem, scale_mode, 32, torch.float32))
+
+
+def test_compiled_cuda_quantize_forms_give_the_numerics_core_bits() -> None:
     x = _special_data()
     for elem in sorted(ELEM_FORMATS):
         for scale_mode in ScaleMode:
             torch._dynamo.reset()  # a fresh compile per case (dynamo's recompile limit is 8)
             axis = 0 if scale_mode in (ScaleMode.FLOOR, ScaleMode.EVEN) else 1
-            compiled = torch.compile(fake_quantize_with_casts, fullgraph=True, dynamic=False)
-            got = compiled(x.cuda(), axis, elem, scale_mode.value, 32, torch.float32).cpu()
-            data, scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
-            want = dequantize_along(data, scale, axis, 32, torch.float32)
+            compiled = torch.compile(_both_cuda_forms, fullgraph=True, dynamic=False)
+            (data, scale), fake = compiled(x.cuda(), axis, elem, scale_mode.value)
+            want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
+            assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8)), (elem, scale_mode)
+            assert torch.equal(scale.cpu(), want_scale), (elem, scale_mode)
+            want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
+            got = fake.cpu()
             same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
             assert same.all(), (elem, scale_mode, axis, int((~same).sum()))
 

@@ -168,3 +168,21 @@ def test_selection_on_fake_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None
     # The kernels are registered for CUDA, so eager calls and Inductor's fallback kernels reach them.
     for name in ("mxcompile::attention", "mxcompile::attention_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+
+
+@pytest.mark.parametrize("axis", [2, 3])
+def test_forward_operands_are_quantized_by_the_triton_kernel_bit_exactly(axis: int) -> None:
+    """The CUDA forward quantizes Q, K (head_dim) and V (the keys) with one Triton quantize
+    kernel each, on the operand as a (rows, head_dim) matrix: the numerics core's bits, for a
+    (batch, sequence, heads, head_dim)-major operand as attention modules produce it."""
+    from mxcompile.numerics import ELEM_FORMATS, ScaleMode, quantize_along
+    from mxcompile.ops.attention import _quantize_operand
+    from mxcompile.ops.quantize import triton_quantize_unsupported
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 64, 3, 32, generator=g) * torch.logspace(-8, 8, 32, base=2.0)).transpose(1, 2)
+    assert triton_quantize_unsupported(x, "e4m3", 32) is None  # the kernel runs (interpreter)
+    data, scale = _quantize_operand(x, axis, "e4m3", "rceil", 32)
+    want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
