@@ -10,6 +10,7 @@ implementation; the others are decomposed as on CPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -42,6 +43,7 @@ from .passes.meta_keys import GEMM_KERNEL_KEY, PLANNED_GRAPH_KEY
 from .triton_templates import has_mx_tensor_cores
 
 MX_OPS = frozenset(DECOMPOSITIONS)
+_log = logging.getLogger("mxcompile")
 
 # Inductor recomputes a pointwise producer inside every consumer unless it counts as heavy. An
 # MX operand is read four times (amax and apply along each of two axes), so a GELU (erf, which
@@ -151,9 +153,12 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
     operand that arrives as fp8 (saved by the forward for the backward) is dequantized. Returns
     the count."""
     count = 0
+    cuda_kernels: list[str] = []  # the gemm_kernel setting of each one lowered in a CUDA graph
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not MX_MM or not _runs_dequantized(node):
             continue
+        if value_device(node).type == "cuda":
+            cuda_kernels.append(node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO).value)
         a, a_scale, b, b_scale, block_size, out_dtype = node.args
         device = value_device(node)
         operand_dtype = gemm_operand_dtype(out_dtype, device)
@@ -178,6 +183,10 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
     if count:
         gm.graph.eliminate_dead_code()
         gm.recompile()
+    if cuda_kernels:
+        _log.info("mxcompile: %d MX GEMM(s) of a CUDA graph run as cuBLAS GEMMs of their exactly dequantized "
+                  "operands (gemm_kernel %s; 'auto' takes the Triton MX GEMM only on GPUs with MX tensor "
+                  "cores, sm100+)", len(cuda_kernels), sorted(set(cuda_kernels)))
     return count
 
 

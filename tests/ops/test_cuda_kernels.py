@@ -10,6 +10,8 @@ where `lowering.runs_triton_mx_gemm` says so, else becomes a GEMM of dequantized
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -90,11 +92,14 @@ def _lowered_cuda_targets(kernel: GemmKernel | None) -> list:
     (GemmKernel.AUTO, False, False),  # Hopper and older: no MX tensor cores
     (None, False, False),  # an mx_mm no pass recorded a kernel for: "auto"
 ])
-def test_cuda_lowering_keeps_the_kernel_ops_opaque(monkeypatch: pytest.MonkeyPatch, kernel, mx_tensor_cores,
-                                                  triton_gemm) -> None:
+def test_cuda_lowering_keeps_the_kernel_ops_opaque(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                  kernel, mx_tensor_cores, triton_gemm) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a GPU-less machine
     monkeypatch.setattr(lowering, "has_mx_tensor_cores", lambda device: mx_tensor_cores)
-    targets = _lowered_cuda_targets(kernel)
+    with caplog.at_level(logging.INFO, logger="mxcompile"):
+        targets = _lowered_cuda_targets(kernel)
+    said = "1 MX GEMM(s) of a CUDA graph run as cuBLAS GEMMs" in caplog.text
+    assert said != triton_gemm, caplog.text  # the lowering says where it sends the GEMMs
     assert DEQUANTIZE not in targets  # no CUDA kernel of its own: decomposed for Inductor
     if triton_gemm:
         assert targets.count(QUANTIZE) == 2  # the Triton quantize kernel: one per operand
