@@ -16,8 +16,8 @@ Conventions
       its cost is the bytes it reads and writes.
     * Aliasing ops (views, ``getitem``) move no data and cost nothing.
     * Workspace: scratch memory an op holds while it runs, beyond its output; counted for the
-      MX ops: the attention ops (their key-tiled CPU implementation, run one batch element at
-      a time, keeps fp32 copies of that element's operands, the backward most of all), ``mx_mm`` (the
+      MX ops: the attention ops (their key-tiled CPU implementation, run `batch_chunk` batch
+      elements at a time, keeps fp32 copies of that chunk's operands, the backward most of all), ``mx_mm`` (the
       peak of its torch reference, :func:`mxcompile.ops.mx_mm_peak_bytes`: fp32 copies made
       while dequantizing each operand, then both operands in the GEMM's operand dtype;
       Inductor's decomposed form holds those two operands too) and the eager quantize op (bounded by its
@@ -102,16 +102,18 @@ def is_alias(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-# Scratch bytes of the MX attention ops, in fp32 copies of one batch element's query (the CPU
-# ops run one batch element at a time, `mxcompile.ops.attention`): measured with
-# torch.profiler's allocator events (peak minus outputs) at (batch, heads, seq, head_dim) =
-# (8, 2, 64, 32), (2, 4, 256, 64), (1, 2, 512, 64), (4, 4, 128, 64) and (4, 4, 128, 32), causal
-# and not, key tile 64: forward 8.8-14.8, backward 15.5-24.7 (most at head_dim 32, where the
-# score tile is large beside the query); rounded up.
+# Scratch bytes of the MX attention ops, in fp32 copies of one batch element's query, times the
+# batch elements the CPU ops run at a time (their `batch_chunk` argument): measured with
+# `measure.memory.tensor_peak_bytes` (peak minus outputs; 2026-12-04, after the operand rounding
+# moved to a 2-D rows view) at (batch, heads, seq, head_dim) = (8, 2, 64, 32), (2, 4, 256, 64),
+# (1, 2, 512, 64), (4, 4, 128, 64), (4, 4, 128, 32), (4, 2, 128, 64), (1, 8, 256, 64) and
+# (2, 8, 512, 64), causal and not, key tile 64: forward 8.3-22.4, backward 16.3-32.2 (most at
+# head_dim 32, where the score tile is large beside the query); rounded up. (The constants
+# before, 15 and 25, were measured on the earlier rounding and fell short at head_dim 32.)
 ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
     # schema name: (index of the query argument, fp32 copies of one batch element's query)
-    ATTENTION_SCHEMA_NAME: (0, 15),
-    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 25),
+    ATTENTION_SCHEMA_NAME: (0, 23),
+    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 33),
 }
 
 
@@ -164,8 +166,20 @@ def workspace_bytes(node: fx.Node) -> int:
         index, copies = ATTENTION_WORKSPACE_QUERY_COPIES[name]
         query = _val(node.args[index])
         batch = max(1, concrete_int(query.shape[0]) or 1) if query is not None and query.ndim else 1
-        return copies * FP32_BYTES * _numel(node.args[index]) // batch
+        chunk = min(batch, _schema_argument(node, "batch_chunk"))
+        return copies * FP32_BYTES * _numel(node.args[index]) // batch * chunk
     return aten_scratch_bytes(node)
+
+
+def _schema_argument(node: fx.Node, name: str) -> Any:
+    """The value of the op argument `name` of an OpOverload node: given positionally, by
+    keyword, or the schema's default."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, argument.default_value)
+    raise KeyError(f"{node.target} has no argument {name!r}")
 
 
 def _is_mx_mm(node: fx.Node) -> bool:

@@ -13,7 +13,8 @@ fake, its autograd where it has one, and its CUDA kernel, registered with
 reference as the fallback). The module constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the
 overloads the graph passes insert; passes import them from here. `DECOMPOSITIONS` holds the
 Inductor forms the CPU lowering decomposes the ops into; `CUDA_KERNEL_OPS` the ops the CUDA
-lowering keeps opaque because their CUDA kernel is a Triton one.
+lowering keeps opaque because their CUDA kernel is a Triton one (except the MX GEMMs, and their
+quantize nodes, that `mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS instead).
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """The MX attention ops: `mxcompile::attention` (forward) and `mxcompile::attention_backward`.
 
     mxcompile::attention(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem,
-                         scale_mode, block_size, key_tile) -> (out, logsumexp)
+                         scale_mode, block_size, key_tile, batch_chunk=1) -> (out, logsumexp)
     mxcompile::attention_backward(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale,
                                   attention_mode, forward_elem, grad_elem, scale_mode, block_size,
-                                  key_tile) -> (dq, dk, dv)
+                                  key_tile, batch_chunk=1) -> (dq, dk, dv)
+
+key_tile and batch_chunk set only the torch implementation's tiles (keys per tile, batch
+elements per call): the values do not depend on them beyond fp32 summation order (key_tile)
+or at all (batch_chunk); its scratch grows with both.
 
 Semantics and the torch reference: `mxcompile.ops.attention_reference` (key-tiled, online
 fp32 softmax, every GEMM MX along its own contraction axis). This module holds the schemas,
@@ -82,31 +86,50 @@ def attention_op(
     scale_mode: str,
     block_size: int,
     key_tile: int,
+    batch_chunk: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MX attention forward: (output, logsumexp). See mxcompile.ops.attention_reference."""
     options = AttentionOptions.from_forward_args(is_causal, scale, attention_mode, forward_elem, scale_mode,
-                                                 block_size, key_tile)
+                                                 block_size, key_tile, batch_chunk)
     return _attention_forward_torch(q, k, v, attn_mask, options)
 
 
-def _batch_mask(attn_mask: torch.Tensor | None, batch: int, index: int) -> torch.Tensor | None:
-    """The part of ``attn_mask`` (broadcastable to (batch, H, Tq, Tk)) for batch element ``index``."""
+# A chunk the rewrite lets the torch implementation run at once, when no memory budget asks
+# for the least scratch: whole batch elements, at most this many query elements in all (or one
+# element). The implementation's ~40 ops per key tile then serve several elements, and its
+# scratch, up to ~33 fp32 copies of a chunk's query (`cost.graph_costs`), stays under ~130 MiB.
+ATTENTION_CHUNK_QUERY_NUMEL = 1 << 20
+
+
+def batch_chunk_for(batch: int, query_numel: int) -> int:
+    """Batch elements per chunk for a query of `query_numel` elements over `batch` elements
+    (see ATTENTION_CHUNK_QUERY_NUMEL)."""
+    per_element = max(1, query_numel // max(1, batch))
+    return max(1, min(batch, ATTENTION_CHUNK_QUERY_NUMEL // per_element))
+
+
+def _batch_chunks(batch: int, chunk: int) -> list[slice]:
+    return [slice(lo, min(lo + chunk, batch)) for lo in range(0, batch, chunk)]
+
+
+def _batch_mask(attn_mask: torch.Tensor | None, batch: int, part: slice) -> torch.Tensor | None:
+    """The part of ``attn_mask`` (broadcastable to (batch, H, Tq, Tk)) for the batch elements ``part``."""
     if attn_mask is None or attn_mask.ndim < 4 or attn_mask.shape[0] != batch:
         return attn_mask
-    return attn_mask[index : index + 1]
+    return attn_mask[part]
 
 
 def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation, run one batch element
-    at a time: its scratch (fp32 copies of the operands, `attention_reference`'s "Memory") is
-    that of one element, not of the batch. Every block of the MX quantization lies within one
-    (batch element, head), so the values are those of one batched call."""
+    """The op's outputs, in its layouts, from the torch implementation, run `batch_chunk` batch
+    elements at a time: its scratch (fp32 copies of the operands, `attention_reference`'s
+    "Memory") is that of one chunk, not of the batch. Every block of the MX quantization lies
+    within one (batch element, head), so the values are those of one batched call."""
     batch, heads, q_len, _ = q.shape
     out = _empty_output(q, v.shape[-1])
     lse = _empty_sequence_major(q, (batch, heads, q_len), torch.float32)
-    for b in range(batch):
-        part = slice(b, b + 1)
-        out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, b), options)
+    for part in _batch_chunks(batch, options.batch_chunk):
+        out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
+                                              options)
         out[part].copy_(out_b)
         lse[part].copy_(lse_b)
     return out, lse
@@ -114,7 +137,7 @@ def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem, scale_mode, block_size,
-                    key_tile):
+                    key_tile, batch_chunk=1):
     batch, heads, q_len, _ = q.shape
     return (
         _empty_output(q, v.shape[-1]),
@@ -139,21 +162,21 @@ def attention_backward_op(
     scale_mode: str,
     block_size: int,
     key_tile: int,
+    batch_chunk: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX attention backward: (dq, dk, dv), sequence-major. See mxcompile.ops.attention_reference."""
     options = AttentionOptions.from_backward_args(is_causal, scale, attention_mode, forward_elem, grad_elem,
-                                                  scale_mode, block_size, key_tile)
+                                                  scale_mode, block_size, key_tile, batch_chunk)
     return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options)
 
 
 def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: AttentionOptions):
-    """The op's outputs, in its layouts, from the torch implementation, one batch element at a
-    time (as `_attention_forward_torch`)."""
+    """The op's outputs, in its layouts, from the torch implementation, `batch_chunk` batch
+    elements at a time (as `_attention_forward_torch`)."""
     batch = q.shape[0]
     grads = tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
-    for b in range(batch):
-        part = slice(b, b + 1)
-        parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, b),
+    for part in _batch_chunks(batch, options.batch_chunk):
+        parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
                                         out[part], lse[part], options)
         for grad, grad_b in zip(grads, parts):
             grad[part].copy_(grad_b)
@@ -162,7 +185,7 @@ def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: A
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, attention_mode,
-                             forward_elem, grad_elem, scale_mode, block_size, key_tile):
+                             forward_elem, grad_elem, scale_mode, block_size, key_tile, batch_chunk=1):
     return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
 
 
@@ -189,7 +212,7 @@ def _quantize_operand(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
 
 @attention_op.register_kernel("cuda")
 def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode, forward_elem, scale_mode,
-                           block_size, key_tile):
+                           block_size, key_tile, batch_chunk=1):
     """`mxcompile::attention` on CUDA: the Triton forward kernel when
     `triton_attention_unsupported` says it can run (no mask, equal head counts, attention_mode
     "both", block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
@@ -199,7 +222,7 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode,
     implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
     on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     options = AttentionOptions.from_forward_args(is_causal, scale, attention_mode, forward_elem, scale_mode,
-                                                 block_size, key_tile)
+                                                 block_size, key_tile, batch_chunk)
     reason = triton_attention_unsupported(q, k, v, attn_mask, is_causal, attention_mode, forward_elem,
                                           block_size)
     if reason is not None:
@@ -220,7 +243,7 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode,
 
 @attention_backward_op.register_kernel("cuda")
 def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, attention_mode,
-                            forward_elem, grad_elem, scale_mode, block_size, key_tile):
+                            forward_elem, grad_elem, scale_mode, block_size, key_tile, batch_chunk=1):
     """`mxcompile::attention_backward` on CUDA: the Triton backward kernels (delta, dK/dV per
     key tile, dQ per query tile; every attention mode) when `triton_attention_unsupported` says they can
     run, the torch implementation otherwise (logged at DEBUG level with the reason). The
@@ -228,7 +251,7 @@ def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, s
     gradients are sequence-major, as the fake implementation says. Also callable on CPU tensors
     under TRITON_INTERPRET=1 (the tests)."""
     options = AttentionOptions.from_backward_args(is_causal, scale, attention_mode, forward_elem, grad_elem,
-                                                  scale_mode, block_size, key_tile)
+                                                  scale_mode, block_size, key_tile, batch_chunk)
     reason = triton_attention_unsupported(
         q, k, v, attn_mask, is_causal, attention_mode, forward_elem, block_size, grad_elem=grad_elem,
         backward_tensors=(grad_out, out, lse),

@@ -117,32 +117,38 @@ class AttentionOptions:
     block_size: int
     key_tile: int
     grad_elem: str = DEFAULT_GRAD_ELEM
+    batch_chunk: int = 1  # batch elements the ops' torch implementation runs at a time
 
     def __post_init__(self) -> None:
         check_attention_mode(self.attention_mode)
+        if isinstance(self.batch_chunk, bool) or not isinstance(self.batch_chunk, int) or self.batch_chunk < 1:
+            raise ValueError(f"batch_chunk={self.batch_chunk!r}: give a positive int")
 
     @classmethod
     def from_forward_args(cls, is_causal: bool, scale: float, attention_mode: str, forward_elem: str,
-                          scale_mode: str, block_size: int, key_tile: int, *,
+                          scale_mode: str, block_size: int, key_tile: int, batch_chunk: int = 1, *,
                           grad_elem: str = DEFAULT_GRAD_ELEM) -> AttentionOptions:
         """From the trailing arguments of `mxcompile::attention`, in schema order."""
-        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem,
+                   batch_chunk)
 
     @classmethod
     def from_backward_args(cls, is_causal: bool, scale: float, attention_mode: str, forward_elem: str,
-                           grad_elem: str, scale_mode: str, block_size: int, key_tile: int) -> AttentionOptions:
+                           grad_elem: str, scale_mode: str, block_size: int, key_tile: int,
+                           batch_chunk: int = 1) -> AttentionOptions:
         """From the trailing arguments of `mxcompile::attention_backward`, in schema order."""
-        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem)
+        return cls(is_causal, scale, attention_mode, forward_elem, scale_mode, block_size, key_tile, grad_elem,
+                   batch_chunk)
 
     def forward_args(self) -> tuple:
         """The trailing arguments of `mxcompile::attention`, in schema order."""
         return (self.is_causal, self.scale, self.attention_mode, self.forward_elem, self.scale_mode,
-                self.block_size, self.key_tile)
+                self.block_size, self.key_tile, self.batch_chunk)
 
     def backward_args(self) -> tuple:
         """The trailing arguments of `mxcompile::attention_backward`, in schema order."""
         return (self.is_causal, self.scale, self.attention_mode, self.forward_elem, self.grad_elem,
-                self.scale_mode, self.block_size, self.key_tile)
+                self.scale_mode, self.block_size, self.key_tile, self.batch_chunk)
 
 
 def default_key_tile(block_size: int) -> int:

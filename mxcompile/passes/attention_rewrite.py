@@ -57,7 +57,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from ..config import AttentionMode, MXConfig
 from ..numerics import ElemFormatName
-from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
+from ..ops.attention import ATTENTION, ATTENTION_BACKWARD, batch_chunk_for
 from ..ops.attention_checks import check_attention_inputs
 from ..ops.attention_reference import default_key_tile
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
@@ -389,6 +389,17 @@ class _OpArguments:
 _OUT, _LSE = object(), object()
 
 
+def _batch_chunk(q_node: fx.Node, config: MXConfig) -> int:
+    """Batch elements the ops' torch implementation runs at a time: one under a memory budget
+    (the least scratch, which the planner counts per chunk), else `ops.attention.batch_chunk_for`
+    of the query's size (its hint, for a dynamic batch or length)."""
+    query = fake_value(q_node)
+    if config.memory_budget is not None or query.ndim != 4:
+        return 1
+    batch = concrete_int(query.shape[0]) or 1
+    return batch_chunk_for(batch, batch * math.prod(concrete_int(s) or 1 for s in query.shape[1:]))
+
+
 def _op_arguments(site: FusedSite, config: MXConfig) -> _OpArguments:
     fwd = bound_arguments(site.forward)
     q_node, k_node, v_node = fwd["query"], fwd["key"], fwd["value"]
@@ -398,7 +409,7 @@ def _op_arguments(site: FusedSite, config: MXConfig) -> _OpArguments:
     key_tile = default_key_tile(config.block_size)
     # The op schemas take str: enum members cross the torch.library boundary as their values.
     common = (bool(fwd.get("is_causal", False)), scale, config.attention.value, config.forward_elem.value)
-    tail = (config.scale_mode.value, config.block_size, key_tile)
+    tail = (config.scale_mode.value, config.block_size, key_tile, _batch_chunk(q_node, config))
     forward = (q_node, k_node, v_node, mask_node, *common, *tail)
     backward = None
     if site.backward is not None:

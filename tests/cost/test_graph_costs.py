@@ -11,7 +11,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from mxcompile.config import MXConfig
 from mxcompile.cost.graph_costs import attention_flops, bytes_moved, node_flops, node_time_s, value_bytes, workspace_bytes
 from mxcompile.cost.profiles import ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
-from mxcompile.ops.attention import ATTENTION
+from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from mxcompile.ops.attention_reference import default_key_tile
 from mxcompile.ops.mx_mm import MX_MM
 from mxcompile.ops.quantize import QUANTIZE
@@ -137,3 +137,39 @@ def test_eager_aten_scratch_bounds_what_the_kernel_allocates(name):
     peak = tensor_peak_bytes(lambda: outputs.append(fn(*inputs)))
     scratch = peak - value_bytes(outputs[0])
     assert 0 < scratch <= workspace_bytes(node), (scratch, workspace_bytes(node))
+
+
+def test_attention_scratch_counts_its_batch_chunk_and_bounds_what_the_ops_allocate():
+    """The attention ops' counted scratch is per chunk of batch elements (their `batch_chunk`)
+    and bounds the allocator's peak beside their outputs, forward and backward; a larger chunk
+    does hold more."""
+    from mxcompile.measure.memory import tensor_peak_bytes
+
+    batch, heads, seq, width = 4, 2, 128, 64
+    q, k, v, do = (torch.randn(batch, heads, seq, width) for _ in range(4))
+    common = (True, width**-0.5, CONFIG.attention.value, CONFIG.forward_elem.value)
+    tail = (CONFIG.scale_mode.value, CONFIG.block_size, default_key_tile(CONFIG.block_size))
+
+    def forward(chunk):
+        def run(q, k, v):
+            return ATTENTION(q, k, v, None, *common, *tail, chunk)
+        return run
+
+    def backward(chunk):
+        def run(do, q, k, v, out, lse):
+            return ATTENTION_BACKWARD(do, q, k, v, None, out, lse, *common, CONFIG.grad_elem.value, *tail, chunk)
+        return run
+
+    out, lse = forward(1)(q, k, v)
+    for make, inputs, name in ((forward, (q, k, v), "mxcompile::attention"),
+                               (backward, (do, q, k, v, out, lse), "mxcompile::attention_backward")):
+        counted, held = {}, {}
+        for chunk in (1, batch):
+            fn = make(chunk)
+            counted[chunk] = workspace_bytes(_graph(fn, *inputs)[name])
+            outputs = []
+            peak = tensor_peak_bytes(lambda: outputs.append(fn(*inputs)))
+            held[chunk] = peak - sum(value_bytes(t) for t in outputs[0])
+            assert 0 < held[chunk] <= counted[chunk], (name, chunk, held[chunk], counted[chunk])
+        assert counted[batch] == batch * counted[1]
+        assert held[batch] > held[1], (name, held)

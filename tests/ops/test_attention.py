@@ -411,3 +411,18 @@ def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch)
     assert not calls
     for a, b in zip(compiled, eager, strict=True):
         assert sqnr_db(a, b) >= 100  # fp32 outputs: summation order only (equal on this CPU)
+
+
+def test_batch_chunk_changes_no_value():
+    """The ops' torch implementation run 1, 2 or all 3 batch elements at a time: equal outputs
+    and gradients, bit for bit (MX blocks lie within one batch element and head)."""
+    q, k, v, do = _qkv(5, batch=3, heads=2, kv_heads=2, q_len=96, k_len=96, width=32)
+    options = (True, 0.2, "both", "e4m3", "rceil", 32, 32)
+    results = []
+    for chunk in (1, 2, 3):
+        out, lse = torch.ops.mxcompile.attention(q, k, v, None, *options, chunk)
+        grads = torch.ops.mxcompile.attention_backward(do, q, k, v, None, out, lse, *options[:4], "e5m2",
+                                                       *options[4:], chunk)
+        results.append((out, lse, *grads))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

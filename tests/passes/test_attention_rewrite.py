@@ -25,6 +25,7 @@ import mxcompile
 from mx_testing import eager_mxfp8_backend, sqnr_db
 from mxcompile.config import MXConfig
 from mxcompile.examples.gpt import gpt_factory, lm_loss
+from mxcompile.ops.attention import ATTENTION_CHUNK_QUERY_NUMEL
 from mxcompile.passes.attention_rewrite import (
     BACKWARD_ROLES,
     DK,
@@ -431,3 +432,17 @@ def test_inductor_runs_the_mx_attention_op_like_the_eager_pipeline():
     assert sum(d.decision == CONVERTED for d in _attention_decisions(report)) == 6
     assert sqnr_db(eager_out, inductor_out) >= 60
     assert sqnr_db(eager_grad, inductor_grad) >= 60
+
+
+@pytest.mark.parametrize("budget, chunk", [(None, B), (0.5, 1)])
+def test_batch_chunk_is_the_whole_small_batch_unless_a_memory_budget_asks_for_the_least_scratch(budget, chunk):
+    """Without a memory budget the ops' torch implementation runs up to
+    ATTENTION_CHUNK_QUERY_NUMEL query elements at once (here the whole batch of B); with one,
+    a batch element at a time, the least scratch, which the planner counts per chunk."""
+    q, k, v, do = _inputs()
+    assert B * HQ * T * D <= ATTENTION_CHUNK_QUERY_NUMEL
+    _, _, report = _compile_and_run(sdpa, q, k, v, do, config=MXConfig(memory_budget=budget), is_causal=True)
+    calls = [line for name in ("forward", "backward") for line in _graph(report, name).splitlines()
+             if "mxcompile.attention" in line]
+    assert len(calls) == 2, calls
+    assert all(call.split(");")[0].rstrip(")").endswith(f", {chunk}") for call in calls), calls
