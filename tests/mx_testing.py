@@ -47,3 +47,20 @@ def eager_mxfp8_backend(config=None, report=None):
 
     return functools.partial(compile_graph, config=config or MXConfig(), lower=eager_compiler,
                              report=report)
+
+
+def special_quantize_data(shape=(96, 128), seed=0) -> torch.Tensor:
+    """fp32 rows spread over 2**-30 .. 2**30, with a zero block (and a -0.0), a NaN, an Inf, a
+    block below fp32's normal range, values at e4m3's saturation boundary and a subnormal
+    midpoint: the edge cases of quantization, for the Inductor forms' bit-exactness tests."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.exp2(torch.randint(-30, 30, (shape[0], 1), generator=g).float())
+    x = torch.randn(shape, generator=g) * rows
+    x[0, :32] = 0.0
+    x[0, 5] = -0.0
+    x[1, 3] = float("nan")
+    x[2, 40] = float("inf")
+    x[3, 64:96] = 2.0**-133
+    x[4, :8] = 448.0 * torch.tensor([1, -1, 1.03, -1.07, 1.1, 0.99, 2 ** -20, -(2 ** -24)])
+    x[5, 3] = 1.5 * 2.0**-140
+    return x

@@ -101,11 +101,10 @@ def attention_op(
 ATTENTION_CHUNK_QUERY_NUMEL = 1 << 20
 
 
-def batch_chunk_for(batch: int, query_numel: int) -> int:
-    """Batch elements per chunk for a query of `query_numel` elements over `batch` elements
+def batch_chunk_for(batch: int, element_numel: int) -> int:
+    """Batch elements per chunk for a query of `element_numel` elements per batch element
     (see ATTENTION_CHUNK_QUERY_NUMEL)."""
-    per_element = max(1, query_numel // max(1, batch))
-    return max(1, min(batch, ATTENTION_CHUNK_QUERY_NUMEL // per_element))
+    return max(1, min(batch, ATTENTION_CHUNK_QUERY_NUMEL // max(1, element_numel)))
 
 
 def _batch_chunks(batch: int, chunk: int) -> list[slice]:

@@ -228,11 +228,6 @@ def _quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     return values.to(fmt.dtype).reshape(x.shape), scale_bytes.to(torch.uint8).squeeze(axis + 1)
 
 
-def _quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
-                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
-
-
 def quantize_for_inductor(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +249,7 @@ def quantize_with_casts(
     (c = v*s; c - (c - v)) are exact only if every product is rounded before the subtraction,
     and Triton contracts a multiply and an add into an FMA by default (Inductor compiles its
     kernels with `enable_fp_fusion`), which skips that rounding."""
-    data, scales = _in_memory_order(_quantize_casts, x, axis, elem, scale_mode, block_size)
+    data, scales = _in_memory_order(_quantize, x, axis, elem, scale_mode, block_size)
     return data, scales.contiguous()
 
 
@@ -266,7 +261,7 @@ def _fake_quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode:
 
 def _fake_quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
                          dtype: torch.dtype) -> torch.Tensor:
-    data, scale_bytes = _quantize_casts(x, axis, elem, scale_mode, block_size)
+    data, scale_bytes = _quantize(x, axis, elem, scale_mode, block_size)
     return dequantize_along(data, scale_bytes, axis, block_size, dtype)
 
 

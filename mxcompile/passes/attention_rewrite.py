@@ -396,8 +396,7 @@ def _batch_chunk(q_node: fx.Node, config: MXConfig) -> int:
     query = fake_value(q_node)
     if config.memory_budget is not None or query.ndim != 4:
         return 1
-    batch = concrete_int(query.shape[0]) or 1
-    return batch_chunk_for(batch, batch * math.prod(concrete_int(s) or 1 for s in query.shape[1:]))
+    return batch_chunk_for(concrete_int(query.shape[0]) or 1, math.prod(concrete_int(s) or 1 for s in query.shape[1:]))
 
 
 def _op_arguments(site: FusedSite, config: MXConfig) -> _OpArguments:

@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mx_testing import MXLinearFunction
+from mx_testing import special_quantize_data as _special_data
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
 from mxcompile.ops.quantize import fake_quantize_with_casts, quantize_with_casts
 
@@ -25,19 +26,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 REL = 1e-5
 GEMMS_PER_LINEAR_STEP = 3  # Y = X Wt, dX = dY W, dW = dYt X
-
-
-def _special_data(seed: int = 0) -> torch.Tensor:
-    """fp32 rows spread over 2**-30 .. 2**30, with a zero block, a NaN, an Inf, a block below
-    fp32's normal range and values at e4m3's saturation boundary."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(96, 128, generator=g) * torch.exp2(torch.randint(-30, 30, (96, 1), generator=g).float())
-    x[0, :32] = 0.0
-    x[1, 3] = float("nan")
-    x[2, 40] = float("inf")
-    x[3, 64:96] = 2.0**-133
-    x[4, :8] = 448.0 * torch.tensor([1, -1, 1.03, -1.07, 1.1, 0.99, 2**-20, -(2**-24)])
-    return x
 
 
 def _both_cuda_forms(x: torch.Tensor, axis: int, elem: str, scale_mode: str):

@@ -426,3 +426,9 @@ def test_batch_chunk_changes_no_value():
         results.append((out, lse, *grads))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_a_batch_chunk_below_one_is_an_error_naming_it():
+    q, k, v, _ = _qkv(0, batch=2, heads=2, kv_heads=2, q_len=64, k_len=64, width=32)
+    with pytest.raises(ValueError, match="batch_chunk=0: give a positive int"):
+        torch.ops.mxcompile.attention(q, k, v, None, True, 0.2, "both", "e4m3", "rceil", 32, 32, 0)

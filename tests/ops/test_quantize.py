@@ -8,24 +8,11 @@ import torch
 
 from mxcompile.ops.quantize import fake_quantize_for_inductor, fake_quantize_with_casts, quantize_for_inductor
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
+from mx_testing import special_quantize_data as _special_data
 
 # opcheck's schema test compares inputs bitwise with an op that fp8 tensors lack in torch 2.13
 # ("mul_cpu_reduced_float not implemented for Float8_e4m3fn"): skipped for fp8 inputs only.
 FP8_INPUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-
-
-def _special_data(shape=(96, 128), seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.exp2(torch.randint(-30, 30, (shape[0], 1), generator=g).float())
-    x = torch.randn(shape, generator=g) * rows
-    x[0, :32] = 0.0
-    x[0, 5] = -0.0
-    x[1, 3] = float("nan")
-    x[2, 40] = float("inf")
-    x[3, 64:96] = 2.0**-133
-    x[4, :8] = 448.0 * torch.tensor([1, -1, 1.03, -1.07, 1.1, 0.99, 2 ** -20, -(2 ** -24)])
-    x[5, 3] = 1.5 * 2.0**-140
-    return x
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
