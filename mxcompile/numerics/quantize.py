@@ -145,11 +145,21 @@ def quantize_along(
 
 
 def dequantize_along(
-    data: torch.Tensor, scale_bytes: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
+    data: torch.Tensor,
+    scale_bytes: torch.Tensor,
+    axis: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = identity,
 ) -> torch.Tensor:
-    """data * 2**(scale - 127) broadcast over blocks of `block_size` along `axis`, cast to dtype."""
+    """data * 2**(scale - 127) broadcast over blocks of `block_size` along `axis`, cast to dtype.
+
+    `materialize` is applied to the fp32 block scales (identity by default): the Inductor form
+    stores them once per block, so that the int-to-float bitcast of `scale_fp32_from_bytes`,
+    which Inductor's CPU code runs element by element, is not repeated for every element."""
     blocks = split_blocks(data, axis, block_size).to(torch.float32)
-    scale = scale_fp32_from_bytes(scale_bytes).unsqueeze(axis + 1)
+    scale = materialize(scale_fp32_from_bytes(scale_bytes)).unsqueeze(axis + 1)
     return (blocks * scale).reshape(data.shape).to(dtype)
 
 
