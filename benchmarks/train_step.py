@@ -8,6 +8,7 @@ MXFP8 training recipe.
     python benchmarks/train_step.py --quick          # tiny shapes, a smoke test
     python benchmarks/train_step.py --device cuda --d-model 2048 --seq 1024   # on a GPU
     python benchmarks/train_step.py --profile 15     # then each variant's top operators in one step
+    python benchmarks/train_step.py --profile 30 --kernel-names   # ... naming Inductor's C++ kernels
 
 Every variant is compiled and warmed up first; then --rounds rounds each time --steps steps of
 every variant in turn, so that load on the machine hits all variants alike. Prints the median
@@ -131,17 +132,28 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:160]
 
 
+# In the name of every C++ kernel Inductor generates on the CPU (one profiler event per kernel
+# call with torch._inductor.config.cpp.enable_kernel_profile; some carry a "graph_N_" prefix).
+CPP_KERNEL_MARK = "cpp_fused"
+
+
 def print_profile(name: str, step: Callable[[], float], device: torch.device, rows: int) -> None:
     """One step under torch.profiler: the `rows` operators with the most self time on `device`
-    (the GPU's kernel time on CUDA, the host's on the CPU)."""
+    (the GPU's kernel time on CUDA, the host's on the CPU), and on the CPU the self time of all
+    of Inductor's generated kernels together (named ones only with --kernel-names)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
     print(f"\n{name}: one step, operators by {sort_by}")
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
+    print(events.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60))
+    kernels = [e for e in events if CPP_KERNEL_MARK in e.key]
+    if kernels:
+        total_ms = sum(e.self_cpu_time_total for e in kernels) / 1e3
+        print(f"{name}: Inductor's generated C++ kernels, {len(kernels)} distinct, {total_ms:.1f} ms self time in all")
 
 
 def _time(step: Callable[[], float], steps: int) -> list[float]:
@@ -173,7 +185,24 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"with --device cuda, skip the {TRITON_GEMM_VARIANT[0]!r} variant")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile one step per variant and print its N costliest operators")
+    parser.add_argument("--kernel-names", action="store_true",
+                        help="with --profile on the CPU: Inductor's C++ kernels appear in the profile under their "
+                             "names (torch._inductor.config.cpp.enable_kernel_profile), with their total; "
+                             "compiles without the compile caches")
     args = parser.parse_args(argv)
+    if args.kernel_names and not args.profile:
+        parser.error("--kernel-names names kernels in the profile: give --profile N too")
+    if args.kernel_names:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        # Read when Inductor generates code, so it must be set before the first compile; the
+        # kernels then record a profiler event per call (timed steps include that cost). The
+        # setting is not part of the compile caches' keys: code cached without it would load
+        # unnamed, so both caches are off (every variant compiles cold).
+        inductor_config.cpp.enable_kernel_profile = True
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
                      "run on a GPU machine with a CUDA build of torch, or use --device cpu")

@@ -4,6 +4,7 @@ asked for where there is none is refused with a message saying what to do."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_train_step_quick_with_profiles() -> None:
-    result = _run("--quick", "--no-torchao", "--no-fp32", "--profile", "3", timeout=900)
+    result = _run("--quick", "--no-torchao", "--no-fp32", "--profile", "3", "--kernel-names", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = {}
@@ -40,6 +41,16 @@ def test_train_step_quick_with_profiles() -> None:
         assert ratio == pytest.approx(step_ms / bf16_ms, abs=rounding), (name, out)
     for name in VARIANTS:
         assert f"{name}: one step, operators by self_cpu_time_total" in out, out
+        # --kernel-names: Inductor's C++ kernels are profiled by name and totalled.
+        total = re.search(rf"^{re.escape(name)}: Inductor's generated C\+\+ kernels, (\d+) distinct, ([\d.]+) ms",
+                          out, re.MULTILINE)
+        assert total and int(total.group(1)) > 0 and float(total.group(2)) > 0, (name, out)
+
+
+def test_kernel_names_without_profile_is_refused() -> None:
+    result = _run("--kernel-names", timeout=120)
+    assert result.returncode == 2
+    assert "give --profile N too" in result.stderr, result.stderr
 
 
 def test_device_cuda_without_a_gpu_is_refused_with_the_fix() -> None:
