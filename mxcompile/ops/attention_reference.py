@@ -199,7 +199,11 @@ def compiled_rounding(fmt: ElemFormat, mode: ScaleMode, block_size: int) -> Call
     def round_rows(rows: torch.Tensor) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(rows, 0)
         torch._dynamo.maybe_mark_dynamic(rows, 1)
-        with torch.no_grad():  # grad mode is part of the graph's guards
+        # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
+        # torch.library kernels run below ADInplaceOrView when called through the op and above
+        # it when called directly (the forward's autograd backward): without one fixed state
+        # Dynamo traced a second graph per input dtype in every process (4 instead of 2).
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
             return compiled(rows)
 
     return round_rows

@@ -390,6 +390,27 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
     assert len(calls) == 8
 
 
+def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_state():
+    """The ops' kernels run below ADInplaceOrView when called through torch.library and above
+    it when the backward is called directly: the compiled rounding must not trace a graph for
+    each (Dynamo guards on the input's dispatch keys), which cost every process about 0.4 s of
+    tracing per extra graph, warm caches included."""
+    from torch._dynamo.utils import counters
+
+    from mxcompile.numerics import E5M2, ScaleMode
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, compiled_rounding
+
+    # A key no other test uses (functools.cache), so that its first call traces here.
+    round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64)
+    rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    before = counters["stats"]["unique_graphs"]
+    first = round_rows(rows)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        second = round_rows(rows.clone())
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert torch.equal(first, second)
+
+
 def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
     """The ops' outputs with the compiled rounding (large operands) against the eager one: the
     same operand values, so equal up to the summation order of the GEMMs on other layouts."""
