@@ -31,6 +31,7 @@ from ..numerics import (
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
 from ..numerics.rounding import quantize_blocks
+from ..numerics.scales import identity
 
 _log = logging.getLogger(__name__)
 
@@ -286,15 +287,17 @@ def fake_quantize_with_casts(
 def dequantize_for_inductor(
     data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """mxcompile::dequantize for Inductor: `dequantize_along` with its block scales stored once
-    per block (`_realized`; computed per element, their bitcast made a 2048x2048 dequantize
-    3.2x slower on CPU), run in the memory order of a transposed-contiguous input (the saved
-    transposed weight) instead of transposing it."""
+    """mxcompile::dequantize for Inductor: `dequantize_along`, run in the memory order of a
+    transposed-contiguous input (the saved transposed weight) instead of transposing it. On
+    CPU its block scales are stored once per block (`_realized`): computed per element, their
+    int-to-float bitcast ran as an element loop (a 2048x2048 dequantize 3.2x slower); Triton
+    bitcasts in registers, so CUDA graphs keep the scales inline."""
     axis %= data.ndim
     if _is_transposed_contiguous(data):
         swapped = _swap_last_two(axis, data.ndim)
         return dequantize_for_inductor(data.mT, scale.mT, swapped, block_size, dtype).mT
-    return dequantize_along(data, scale, axis, block_size, dtype, materialize=_realized)
+    materialize = _realized if data.device.type == "cpu" else identity
+    return dequantize_along(data, scale, axis, block_size, dtype, materialize=materialize)
 
 
 # The overloads the graph passes insert.
