@@ -24,6 +24,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, but any NaN equals any NaN: Inductor's vectorized fp8 conversion keeps a
+    NaN's payload (e5m2 0x7F -> 0x7FE00000) where the eager one gives the default NaN."""
+    as_int = _SAME_WIDTH_INT[a.dtype]
+    return bool(((a.view(as_int) == b.view(as_int)) | (a.isnan() & b.isnan())).all())
+
+
 def _quantize_and_fake_quantize(x, axis, elem, scale_mode):
     """Both Inductor forms in one graph: one compile per case instead of two."""
     return (quantize_for_inductor(x, axis, elem, scale_mode, 32),
@@ -49,8 +59,7 @@ def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
             assert _same_bits(got_scale, want_scale), (scale_mode, axis)
             assert _same_bits(got_data, want_data), (scale_mode, axis)
             want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
-            same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-            assert same.all(), (scale_mode, axis)
+            assert _same_values(got, want), (scale_mode, axis)
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
@@ -69,19 +78,19 @@ def test_cuda_fake_quantize_form_is_the_numerics_core_in_memory_order(elem):
                 assert _same_bits(got, want), (scale_mode, axis, source.stride())
 
 
-def _dequantize_three_ways(data, scale, data_t, scale_t, transposed, transposed_scale):
+def _dequantize_three_ways(row_data, row_scale, col_data, col_scale, transposed, transposed_scale):
     """Inductor's dequantize of blocks along the last axis, along the first axis, and of a
     transposed-contiguous input (the saved transposed weight): one compile per element format."""
-    return (dequantize_for_inductor(data, scale, 1, 32, torch.bfloat16),
-            dequantize_for_inductor(data_t, scale_t, 0, 32, torch.float32),
+    return (dequantize_for_inductor(row_data, row_scale, 1, 32, torch.bfloat16),
+            dequantize_for_inductor(col_data, col_scale, 0, 32, torch.float32),
             dequantize_for_inductor(transposed, transposed_scale, 0, 32, torch.float32))
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 def test_inductor_dequantize_is_bit_identical_to_the_numerics_core(elem):
     """Compiled `dequantize_for_inductor` (block scales stored once per block) gives
-    `dequantize_along`'s values bit for bit (NaN for NaN): every element byte and scale byte of the edge-case data (NaN
-    blocks, subnormals, the E8M0 extremes), blocks along either axis."""
+    `dequantize_along`'s values bit for bit (NaN for NaN) on the edge-case data (NaN blocks,
+    subnormals, the E8M0 extremes), blocks along either axis."""
     x, fmt = _special_data(), ELEM_FORMATS[elem]
     row = quantize_along(x, 1, fmt, ScaleMode.RCEIL, 32)
     col = quantize_along(x, 0, fmt, ScaleMode.FLOOR, 32)
@@ -92,11 +101,48 @@ def test_inductor_dequantize_is_bit_identical_to_the_numerics_core(elem):
     want = (dequantize_along(*row, 1, 32, torch.bfloat16), dequantize_along(*col, 0, 32, torch.float32),
             dequantize_along(transposed, transposed_scale, 0, 32, torch.float32))
     for name, g, w in zip(("last axis", "first axis", "transposed"), got, want):
-        # Bits equal, or both NaN: Inductor's vectorized fp8 conversion keeps a NaN's payload
-        # (e5m2 0x7F -> 0x7FE00000) where the eager one gives the default NaN (0x7FC00000).
-        same = (g.view(torch.int16 if g.dtype == torch.bfloat16 else torch.int32)
-                == w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32)) | (g.isnan() & w.isnan())
-        assert same.all(), name
+        assert _same_values(g, w), name
+
+
+# Ops that Inductor's CPU code runs element by element (a scalar loop over a vector's lanes):
+# int/float bitcasts and isnan.
+SCALAR_LOOP_OPS = ("to_dtype_bitcast", "isnan")
+
+
+def test_inductor_forms_run_scalar_loop_ops_once_per_block(monkeypatch):
+    """Speed without timing: in the compiled quantize and dequantize along either axis, the ops
+    Inductor cannot vectorize (SCALAR_LOOP_OPS) appear only in loops over blocks, never in the
+    element loops (a per-element scale bitcast made dequantize 3.2x slower, a per-element isnan
+    halved the first-axis quantize). Reads each loop body Inductor traces and its trip count."""
+    import math
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor import loop_body
+
+    bodies: list[tuple[int, dict]] = []
+    traced = loop_body.LoopBody.__call__
+
+    def recording(self, *args, **kwargs):
+        bodies.append((math.prod(int(size) for size in self.var_ranges.values()), dict(self.op_counts)))
+        return traced(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop_body.LoopBody, "__call__", recording)
+
+    def both_axes(x, col_data, col_scale, row_data, row_scale):
+        return (quantize_for_inductor(x, 0, "e4m3", "rceil", 32), quantize_for_inductor(x, 1, "e4m3", "rceil", 32),
+                dequantize_for_inductor(col_data, col_scale, 0, 32, torch.bfloat16),
+                dequantize_for_inductor(row_data, row_scale, 1, 32, torch.bfloat16))
+
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    fmt = ELEM_FORMATS["e4m3"]
+    col, row = quantize_along(x, 0, fmt, ScaleMode.RCEIL, 32), quantize_along(x, 1, fmt, ScaleMode.RCEIL, 32)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        torch.compile(both_axes, dynamic=False)(x, *col, *row)
+    blocks = x.numel() // 32
+    scalar = [(points, ops) for points, ops in bodies if any(op in ops for op in SCALAR_LOOP_OPS)]
+    assert scalar, "no loop body bitcasts scale bytes: the test measured nothing"
+    assert all(points <= blocks for points, _ in scalar), scalar
 
 
 def test_ops_fake_implementations_match_the_real_ones():
