@@ -184,7 +184,7 @@ def _swap_last_two(axis: int, ndim: int) -> int:
     return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(axis, axis)
 
 
-def _realized(t: torch.Tensor) -> torch.Tensor:
+def inductor_realized(t: torch.Tensor) -> torch.Tensor:
     """t, stored in a buffer of its own under Inductor (eagerly: t itself, or a copy in t's own
     strides). Inductor inlines an elementwise node into each of its users and re-expands it
     at every use; a per-block value used by every element of its block is cheaper stored once
@@ -203,7 +203,8 @@ def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, b
     (`numerics.blocks_and_scales`), which Inductor vectorizes; the scales are computed once
     per block into a buffer that the element loop reads."""
     fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    blocks, amax, scale, inverse = blocks_and_scales(x, axis, fmt, scale_mode, block_size, materialize=_realized)
+    blocks, amax, scale, inverse = blocks_and_scales(x, axis, fmt, scale_mode, block_size,
+                                                     materialize=inductor_realized)
     return blocks, scale_bytes_from_amax(amax, fmt, scale_mode), scale, inverse
 
 
@@ -259,7 +260,7 @@ def quantize_with_casts(
 def _fake_quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
                               dtype: torch.dtype) -> torch.Tensor:
     fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=_realized).to(dtype)
+    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=inductor_realized).to(dtype)
 
 
 def _fake_quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
@@ -289,14 +290,14 @@ def dequantize_for_inductor(
 ) -> torch.Tensor:
     """mxcompile::dequantize for Inductor: `dequantize_along`, run in the memory order of a
     transposed-contiguous input (the saved transposed weight) instead of transposing it. On
-    CPU its block scales are stored once per block (`_realized`): computed per element, their
+    CPU its block scales are stored once per block (`inductor_realized`): computed per element, their
     int-to-float bitcast ran as an element loop (a 2048x2048 dequantize 3.2x slower); Triton
     bitcasts in registers, so CUDA graphs keep the scales inline."""
     axis %= data.ndim
     if _is_transposed_contiguous(data):
         swapped = _swap_last_two(axis, data.ndim)
         return dequantize_for_inductor(data.mT, scale.mT, swapped, block_size, dtype).mT
-    materialize = _realized if data.device.type == "cpu" else identity
+    materialize = inductor_realized if data.device.type == "cpu" else identity
     return dequantize_along(data, scale, axis, block_size, dtype, materialize=materialize)
 
 

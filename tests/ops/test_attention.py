@@ -411,6 +411,39 @@ def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_stat
     assert torch.equal(first, second)
 
 
+def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch):
+    """Speed without timing: the compiled rounding computes the block scales in a loop over
+    blocks and makes two passes over the elements (the block maximum, the rounding). With the
+    scale inlined into the element loop, its scalar chain ran in every element vector and the
+    2-D result took extra passes (a copy): 2.4x slower. Reads the loop bodies Inductor traces,
+    their point counts evaluated at this call's sizes (both sizes are dynamic)."""
+    import sympy
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor import loop_body
+    from torch._inductor.virtualized import V
+
+    from mxcompile.numerics import E5M2, ScaleMode
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, compiled_rounding
+
+    points: dict[int, int] = {}
+    traced = loop_body.LoopBody.__call__
+
+    def recording(self, *args, **kwargs):
+        points.setdefault(id(self), V.graph.sizevars.optimization_hint(sympy.Mul(*self.var_ranges.values())))
+        return traced(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop_body.LoopBody, "__call__", recording)
+    rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    # A key no other test uses (functools.cache), so that its first call compiles here.
+    round_rows = compiled_rounding(E5M2, ScaleMode.FLOOR, 32)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        round_rows(rows)
+    counts = list(points.values())
+    assert rows.numel() // 32 in counts, counts
+    assert counts.count(rows.numel()) == 2, counts
+
+
 def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
     """The ops' outputs with the compiled rounding (large operands) against the eager one: the
     same operand values, so equal up to the summation order of the GEMMs on other layouts."""
