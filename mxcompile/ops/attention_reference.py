@@ -68,6 +68,7 @@ The ops, their layouts, their lowering and their CUDA kernels: `mxcompile.ops.at
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Callable
@@ -158,17 +159,33 @@ def default_key_tile(block_size: int) -> int:
     return max(block_size, DEFAULT_KEY_TILE // block_size * block_size)
 
 
+class BlockLayout(enum.Enum):
+    """Where the blocks of a compiled rounding's input lie."""
+
+    ROWS = "rows"  # (rows, length): blocks of consecutive elements along each row
+    COLUMNS = "columns"  # (batch, length, width): blocks along the middle axis, in memory order
+
+
 def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int) -> torch.Tensor:
     """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees),
     in fp32 arithmetic (no fp8 round trip: see `numerics.fake_quantize_along`); compiled for
-    CPU operands of COMPILED_ROUNDING_MIN_NUMEL elements or more."""
+    CPU operands of COMPILED_ROUNDING_MIN_NUMEL elements or more.
+
+    Contiguous fp32 operands along their second-to-last axis (the backward's score tiles P and
+    dS along the queries, for Pᵀ·dO and dSᵀ·Q) are rounded in memory order by the COLUMNS graph;
+    their transposed copy cost more than the rounding itself. Every other operand is rounded as
+    the rows of a contiguous 2-D view (bf16 operands along the sequence through a transposed
+    copy, which is small: one more traced graph per process for them would cost more)."""
     fmt, mode, axis = elem_format(elem), scale_mode_named(scale_mode), axis % x.ndim
     if not _compiles_rounding(x):
         return fake_quantize_along(x, axis, fmt, mode, block_size)
-    # Every operand as the rows of a contiguous 2-D view, blocks along each row.
-    moved = x.detach().movedim(axis, -1)
+    x = x.detach()
+    if axis == x.ndim - 2 and x.dtype == torch.float32 and x.is_contiguous():
+        columns = x.view(-1, x.shape[-2], x.shape[-1])
+        return compiled_rounding(fmt, mode, block_size, BlockLayout.COLUMNS)(columns).view(x.shape)
+    moved = x.movedim(axis, -1)
     rows = moved.contiguous().view(-1, moved.shape[-1])
-    rounded = compiled_rounding(fmt, mode, block_size)(rows)
+    rounded = compiled_rounding(fmt, mode, block_size, BlockLayout.ROWS)(rows)
     return rounded.view(moved.shape).movedim(-1, axis)
 
 
@@ -185,38 +202,47 @@ def _compiles_rounding(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def compiled_rounding(fmt: ElemFormat, mode: ScaleMode, block_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`fake_quantize_along(rows, 1, fmt, mode, block_size)` for 2-D `rows` (the row length a
-    multiple of block_size), torch.compile'd, without autograd.
+def compiled_rounding(
+    fmt: ElemFormat, mode: ScaleMode, block_size: int, layout: BlockLayout
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`fake_quantize_along` torch.compile'd, without autograd, for a contiguous input in
+    `layout`: ROWS (rows, length) along axis 1, COLUMNS (batch, length, width) along axis 1;
+    the length a multiple of block_size.
 
-    The compiled graph takes the rows split into blocks, (rows, blocks, block_size), and stores
-    each block's scale once (`ops.quantize.inductor_realized`). Inductor then computes the scales
-    in a vectorized loop over blocks rather than as a chain of scalar operations in every
-    element vector of the block, and writes the blocked shape itself, where 2-D rows of dynamic
-    length cost an extra copy (0.86 -> 0.36 ns per element at 2**21 elements, 2-core CPU).
+    The compiled graph takes its input split into blocks and stores each block's scale once
+    (`ops.quantize.inductor_realized`). Inductor then computes the scales in a vectorized loop
+    over blocks rather than as a chain of scalar operations in every element vector of the
+    block, and writes the blocked shape itself, where 2-D rows of dynamic length cost an extra
+    copy (ROWS: 0.86 -> 0.36 ns per element at 2**21 elements, 2-core CPU).
 
-    Both block-grid sizes are dynamic from the first call, so one graph per input dtype serves
-    every shape (2 graphs instead of 5 for the shapes of an attention step). Not `dynamic=True`:
-    that would make the block_size symbolic too, and Inductor's loops over blocks of unknown
-    length do not vectorize (7-10x slower)."""
+    The sizes of the block grid are dynamic from the first call, so one graph per layout and
+    input dtype serves every shape (2 graphs instead of 5 for the shapes of an attention step
+    in rows). Not `dynamic=True`: that would make the block_size symbolic too, and Inductor's
+    loops over blocks of unknown length do not vectorize (7-10x slower)."""
+    block_axis = 2 if layout is BlockLayout.ROWS else 1
 
     def blocks_rounded(blocks: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_along(blocks, 2, fmt, mode, block_size, materialize=inductor_realized)
+        return fake_quantize_along(blocks, block_axis, fmt, mode, block_size, materialize=inductor_realized)
 
     compiled = torch.compile(blocks_rounded, fullgraph=True)
 
-    def round_rows(rows: torch.Tensor) -> torch.Tensor:
-        blocks = rows.view(rows.shape[0], rows.shape[1] // block_size, block_size)
-        torch._dynamo.maybe_mark_dynamic(blocks, 0)
-        torch._dynamo.maybe_mark_dynamic(blocks, 1)
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        if layout is BlockLayout.ROWS:  # (rows, blocks, block_size)
+            blocks = x.view(x.shape[0], x.shape[1] // block_size, block_size)
+            dynamic = (0, 1)
+        else:  # (batch * blocks, block_size, width)
+            blocks = x.view(-1, block_size, x.shape[2])
+            dynamic = (0, 2)
+        for dim in dynamic:
+            torch._dynamo.maybe_mark_dynamic(blocks, dim)
         # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
         # torch.library kernels run below ADInplaceOrView when called through the op and above
         # it when called directly (the forward's autograd backward): without one fixed state
         # Dynamo traced a second graph per input dtype in every process (4 instead of 2).
         with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-            return compiled(blocks).view(rows.shape)
+            return compiled(blocks).view(x.shape)
 
-    return round_rows
+    return rounded
 
 
 class _Operands:
@@ -281,9 +307,11 @@ def _tile_scores(
     if mask5 is not None:
         scores.add_(mask5[..., q_lo:, k_lo:k_hi], alpha=_LOG2E)
     if is_causal:
-        rows = torch.arange(q_lo, q_lo + q_tile.shape[-2], device=scores.device).unsqueeze(-1)
+        # Only rows before the tile's last key see part of it: later rows see all its keys.
+        masked_rows = max(0, min(q_tile.shape[-2], k_hi - 1 - q_lo))
+        rows = torch.arange(q_lo, q_lo + masked_rows, device=scores.device).unsqueeze(-1)
         cols = torch.arange(k_lo, k_hi, device=scores.device).unsqueeze(0)
-        scores.masked_fill_(cols > rows, float("-inf"))
+        scores[..., :masked_rows, :].masked_fill_(cols > rows, float("-inf"))
     return scores
 
 
@@ -375,13 +403,13 @@ def attention_backward_impl(
         k_hi = min(k_lo + key_tile, k_len)
         s2 = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
         p = torch.exp2(s2.sub_(lse2[..., q_lo:, :]))  # normalized probabilities
-        # Pᵀ and dSᵀ quantized along their last axis are P and dS quantized along the queries.
-        dv_tile = torch.matmul(ops.pv(p.transpose(-1, -2), -1, forward_elem), do_t[..., q_lo:, :])
+        # Pᵀ and dSᵀ along their contraction axis: P and dS along the queries, transposed.
+        dv_tile = torch.matmul(ops.pv(p, -2, forward_elem).transpose(-1, -2), do_t[..., q_lo:, :])
         dv[:, :, k_lo:k_hi] = dv_tile.sum(dim=2)
         dp = torch.matmul(do_d[..., q_lo:, :], v_d[..., k_lo:k_hi, :].transpose(-1, -2))
         ds = dp.sub_(delta[..., q_lo:, :]).mul_(p)
         dq[..., q_lo:, :] += torch.matmul(ops.qk(ds, -1, grad_elem), k_t[..., k_lo:k_hi, :])
-        dk_tile = torch.matmul(ops.qk(ds.transpose(-1, -2), -1, grad_elem), q_t[..., q_lo:, :])
+        dk_tile = torch.matmul(ops.qk(ds, -2, grad_elem).transpose(-1, -2), q_t[..., q_lo:, :])
         dk[:, :, k_lo:k_hi] = dk_tile.sum(dim=2)
     dq = (dq * scale).reshape(q.shape).to(q.dtype)
     return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)

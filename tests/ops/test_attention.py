@@ -373,7 +373,7 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
     """Large CPU operands are rounded by a compiled graph (COMPILED_ROUNDING_MIN_NUMEL): the
     same fp32 values as numerics.fake_quantize_along, along either axis, on strided inputs."""
     from mxcompile.numerics import E4M3, E5M2, ScaleMode, fake_quantize_along
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, _mx_rounded
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, _mx_rounded
 
     calls = _counting_compiled_rounding(monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -388,6 +388,9 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
                 assert got.shape == want.shape
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (axis, elem)
     assert len(calls) == 8
+    # fp32 along the second-to-last axis of a contiguous operand: in memory order.
+    layouts = {BlockLayout.ROWS, BlockLayout.COLUMNS} if dtype == torch.float32 else {BlockLayout.ROWS}
+    assert {key[-1] for key in calls} == layouts
 
 
 def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_state():
@@ -398,10 +401,10 @@ def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_stat
     from torch._dynamo.utils import counters
 
     from mxcompile.numerics import E5M2, ScaleMode
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, compiled_rounding
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, compiled_rounding
 
     # A key no other test uses (functools.cache), so that its first call traces here.
-    round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64)
+    round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64, BlockLayout.ROWS)
     rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
     before = counters["stats"]["unique_graphs"]
     first = round_rows(rows)
@@ -411,7 +414,8 @@ def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_stat
     assert torch.equal(first, second)
 
 
-def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch):
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, layout):
     """Speed without timing: the compiled rounding computes the block scales in a loop over
     blocks and makes two passes over the elements (the block maximum, the rounding). With the
     scale inlined into the element loop, its scalar chain ran in every element vector and the
@@ -424,7 +428,7 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch):
     from torch._inductor.virtualized import V
 
     from mxcompile.numerics import E5M2, ScaleMode
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, compiled_rounding
+    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, compiled_rounding
 
     points: dict[int, int] = {}
     traced = loop_body.LoopBody.__call__
@@ -434,14 +438,16 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch):
         return traced(self, *args, **kwargs)
 
     monkeypatch.setattr(loop_body.LoopBody, "__call__", recording)
-    rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    x = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    if layout == "columns":
+        x = x.view(4, -1, 128)
     # A key no other test uses (functools.cache), so that its first call compiles here.
-    round_rows = compiled_rounding(E5M2, ScaleMode.FLOOR, 32)
+    rounded = compiled_rounding(E5M2, ScaleMode.FLOOR, 32, BlockLayout(layout))
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        round_rows(rows)
+        rounded(x)
     counts = list(points.values())
-    assert rows.numel() // 32 in counts, counts
-    assert counts.count(rows.numel()) == 2, counts
+    assert x.numel() // 32 in counts, counts
+    assert counts.count(x.numel()) == 2, counts
 
 
 def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
