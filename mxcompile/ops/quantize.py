@@ -30,7 +30,6 @@ from ..numerics import (
     scale_bytes_from_amax,
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
-from ..numerics.rounding import quantize_blocks
 from ..numerics.scales import identity
 
 _log = logging.getLogger(__name__)
@@ -223,7 +222,12 @@ def _quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = elem_format(elem)
     blocks, scale_bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
-    values = quantize_blocks(blocks, inverse, fmt)
+    # Clamped, then rounded by the fp8 cast itself (round to nearest even, as the reference
+    # does): Inductor's CPU code vectorizes fp32 -> fp8 with AVX512 (ATen's vec512_float8), and
+    # rounding first in fp32 (`numerics.rounding`, which `fake_quantize_for_inductor` needs,
+    # having no cast) would only repeat the cast's work (4096x4096 bf16 along the last axis:
+    # 8.3 -> 6.2 ms).
+    values = (blocks * inverse).clamp(-fmt.max_normal, fmt.max_normal)
     # NaN blocks (scale byte 0xFF, scale NaN): the positive NaN, whatever NaN the arithmetic
     # produced (fmt.nan_byte). `scale != scale`, not `isnan`: Inductor's CPU code runs isnan
     # element by element, a comparison vectorizes (blocks along the first axis load a vector of
@@ -236,8 +240,9 @@ def quantize_for_inductor(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxcompile::quantize written for Inductor's CPU code generation: bit-identical outputs
-    (tests/ops/test_quantize.py), vectorizable element loops (`numerics.rounding`), no
-    transposition of a transposed-contiguous input."""
+    (tests/ops/test_quantize.py), vectorizable loops (block scales in the bitcast-free form of
+    `numerics.scale_fp32_from_amax`, elements clamped and cast), no transposition of a
+    transposed-contiguous input."""
     data, scales = _in_memory_order(_quantize_arithmetic, x, axis, elem, scale_mode, block_size)
     return data, scales.contiguous()
 
