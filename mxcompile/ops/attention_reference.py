@@ -73,12 +73,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..numerics import ElemFormat, ScaleMode, elem_format, fake_quantize_along
 from ..numerics import scale_mode_named
+from .precompiled import Precompiled, source_key
 from .quantize import inductor_realized
 
 ATTENTION_MODES = ("both", "qk_only", "off")
@@ -202,6 +204,16 @@ def _compiles_rounding(x: torch.Tensor) -> bool:
 
 
 @functools.cache
+def _rounding_source_key() -> str:
+    """The source the rounding graphs are traced from: the numerics core, the Inductor forms
+    of quantize and this module."""
+    from .. import numerics
+
+    here = Path(__file__).parent
+    return source_key([*Path(numerics.__file__).parent.glob("*.py"), here / "quantize.py", Path(__file__)])
+
+
+@functools.cache
 def compiled_rounding(
     fmt: ElemFormat, mode: ScaleMode, block_size: int, layout: BlockLayout
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -218,23 +230,25 @@ def compiled_rounding(
     The sizes of the block grid are dynamic from the first call, so one graph per layout and
     input dtype serves every shape (2 graphs instead of 5 for the shapes of an attention step
     in rows). Not `dynamic=True`: that would make the block_size symbolic too, and Inductor's
-    loops over blocks of unknown length do not vectorize (7-10x slower)."""
+    loops over blocks of unknown length do not vectorize (7-10x slower).
+
+    The compiled function is saved under the Inductor cache directory (`ops.precompiled`):
+    later processes load it instead of tracing it again with Dynamo (0.5 s per graph)."""
     block_axis = 2 if layout is BlockLayout.ROWS else 1
 
     def blocks_rounded(blocks: torch.Tensor) -> torch.Tensor:
         return fake_quantize_along(blocks, block_axis, fmt, mode, block_size, materialize=inductor_realized)
 
-    compiled = torch.compile(blocks_rounded, fullgraph=True)
+    dynamic_dims = (0, 1) if layout is BlockLayout.ROWS else (0, 2)
+    key = repr((fmt.name, mode.value, block_size, layout.value, _rounding_source_key()))
+    compiled = Precompiled(blocks_rounded, name=f"rounding-{layout.value}", key=key,
+                           dynamic_dims=dynamic_dims, globals_=globals())
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
         if layout is BlockLayout.ROWS:  # (rows, blocks, block_size)
             blocks = x.view(x.shape[0], x.shape[1] // block_size, block_size)
-            dynamic = (0, 1)
         else:  # (batch * blocks, block_size, width)
             blocks = x.view(-1, block_size, x.shape[2])
-            dynamic = (0, 2)
-        for dim in dynamic:
-            torch._dynamo.maybe_mark_dynamic(blocks, dim)
         # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
         # torch.library kernels run below ADInplaceOrView when called through the op and above
         # it when called directly (the forward's autograd backward): without one fixed state

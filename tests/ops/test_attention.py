@@ -406,11 +406,11 @@ def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_stat
     # A key no other test uses (functools.cache), so that its first call traces here.
     round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64, BlockLayout.ROWS)
     rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
-    before = counters["stats"]["unique_graphs"]
-    first = round_rows(rows)
+    first = round_rows(rows)  # traced, or loaded from the precompiled file of an earlier run
+    traced = counters["stats"]["unique_graphs"]
     with torch._C._AutoDispatchBelowADInplaceOrView():
         second = round_rows(rows.clone())
-    assert counters["stats"]["unique_graphs"] - before == 1
+    assert counters["stats"]["unique_graphs"] == traced
     assert torch.equal(first, second)
 
 
