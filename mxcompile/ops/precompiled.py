@@ -38,6 +38,10 @@ CACHE_SUBDIR = "mxcompile_precompiled"
 # EOFError), not a pickle of this torch (UnpicklingError, AttributeError, ImportError for a
 # class that moved), or compiled for another system (RuntimeError from Dynamo's check).
 LOAD_ERRORS = (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, RuntimeError)
+# What saving can raise: the directory or file not writable (OSError), or a value the function
+# closes over that Dynamo's pickler cannot save (RuntimeError "Failed to serialize", PicklingError).
+# The compiled function still serves this process.
+SAVE_ERRORS = (OSError, pickle.PicklingError, RuntimeError)
 _CONFIG_VALUE_TYPES = (bool, int, float, str, type(None))
 
 
@@ -142,7 +146,11 @@ class Precompiled:
         # aot_compile does not restart (it raises TensorifyScalarRestartAnalysis).
         with torch._dynamo.config.patch(specialize_float=True):
             compiled = torch.compile(self.fn, fullgraph=True).aot_compile(((self._marked(x),), {}))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        compiled.save_compiled_function(os.fspath(path))  # written to a temporary file, then renamed
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(os.fspath(path))  # written to a temporary file, then renamed
+        except SAVE_ERRORS as err:
+            _log.warning("mxcompile: cannot save the precompiled %s to %s (%s: %s); later processes will "
+                         "compile it again", self.name, path, type(err).__name__, err)
         compiled.disable_guard_check()
         return compiled

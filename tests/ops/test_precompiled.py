@@ -72,3 +72,13 @@ def test_nothing_is_saved_when_the_compile_caches_are_off(cache_dir):
     with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
         assert torch.equal(precompiled(x), _block_amax_scaled(x))
     assert not precompiled.path(torch.float32).exists()
+
+
+def test_an_unwritable_cache_directory_is_reported_and_the_function_still_runs(cache_dir, caplog):
+    cache_dir.write_bytes(b"")  # a file where the directory should be: mkdir and writes fail
+    precompiled = _precompiled("unwritable")
+    x = torch.randn(4, 64)
+    with caplog.at_level(logging.WARNING, logger="mxcompile.ops.precompiled"), torch.no_grad():
+        assert torch.equal(precompiled(x), _block_amax_scaled(x))
+        assert torch.equal(precompiled(x[:3]), _block_amax_scaled(x[:3]))
+    assert "cannot save the precompiled amax-scaled" in caplog.text
