@@ -104,11 +104,13 @@ class Precompiled:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """fn(x); x's `dynamic_dims` are marked dynamic (x should be a view of the caller's)."""
-        if not caches_enabled() or any(x.shape[dim] < 2 for dim in self.dynamic_dims):
-            # Dynamo specializes sizes 0 and 1: a graph compiled for one would not serve others.
-            return self._traced_fn()(self._marked(x))
         precompiled = self._loaded.get(x.dtype)
         if precompiled is None:
+            # Dynamo specializes sizes 0 and 1: a graph compiled for one would not serve others.
+            # The caches are checked only until a function is loaded (reading torch's config
+            # costs ~20 us, as much as the call of a loaded function).
+            if not caches_enabled() or any(x.shape[dim] < 2 for dim in self.dynamic_dims):
+                return self._traced_fn()(self._marked(x))
             precompiled = self._loaded[x.dtype] = self._load_or_compile(x)
         if not precompiled.guard_check(x):
             return self._traced_fn()(self._marked(x))
