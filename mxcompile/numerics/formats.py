@@ -90,15 +90,6 @@ class ScaleMode(NamedEnum):
     CEIL = "ceil"
     EVEN = "even"
 
-    @property
-    def saturates(self) -> bool:
-        """Whether a block's elements divided by its scale can exceed the element format's
-        largest value, so that quantization must clamp them: floor and even round the scale
-        down. ceil and rceil round it up: every scaled element is at most max_normal (ceil) or
-        max_normal * (1 + 2**-23) (rceil, whose descale amax * fp32(1/max) has two fp32
-        roundings), which rounds to max_normal itself."""
-        return self in (ScaleMode.FLOOR, ScaleMode.EVEN)
-
 
 def elem_format(name: str | ElemFormat, *, argument: str = "elem") -> ElemFormat:
     """Look up an element format by name, with an error that lists what is accepted."""

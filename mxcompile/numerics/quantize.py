@@ -196,7 +196,7 @@ def fake_quantize_along(
     arithmetic only (`rounding.fake_quantize_blocks`): no fp8 tensor, so no fp32<->fp8
     conversion, which ATen and Inductor run element by element on CPUs without AVX512."""
     blocks, _amax, scale, inverse = blocks_and_scales(x, axis, fmt, scale_mode, block_size, materialize=materialize)
-    return fake_quantize_blocks(blocks, scale, inverse, fmt, saturate=scale_mode.saturates).reshape(x.shape)
+    return fake_quantize_blocks(blocks, scale, inverse, fmt).reshape(x.shape)
 
 
 def quantize_mx(

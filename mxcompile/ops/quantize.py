@@ -222,14 +222,12 @@ def _quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     fmt = elem_format(elem)
     blocks, scale_bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
-    # Clamped where the scale mode saturates, then rounded by the fp8 cast itself (round to nearest even, as the reference
+    # Clamped, then rounded by the fp8 cast itself (round to nearest even, as the reference
     # does): Inductor's CPU code vectorizes fp32 -> fp8 with AVX512 (ATen's vec512_float8), and
     # rounding first in fp32 (`numerics.rounding`, which `fake_quantize_for_inductor` needs,
     # having no cast) would only repeat the cast's work (4096x4096 bf16 along the last axis:
     # 8.3 -> 6.2 ms).
-    values = blocks * inverse
-    if scale_mode_named(scale_mode).saturates:  # see ScaleMode.saturates
-        values = values.clamp(-fmt.max_normal, fmt.max_normal)
+    values = (blocks * inverse).clamp(-fmt.max_normal, fmt.max_normal)
     # NaN blocks (scale byte 0xFF, scale NaN): the positive NaN, whatever NaN the arithmetic
     # produced (fmt.nan_byte). `scale != scale`, not `isnan`: Inductor's CPU code runs isnan
     # element by element, a comparison vectorizes (blocks along the first axis load a vector of
