@@ -16,6 +16,9 @@ capability and Inductor's configuration), so that a change to any of them compil
 Where the caches are off (`force_disable_caches`, or the FX graph or AOTAutograd cache
 disabled), and for inputs the saved guards reject (a size specialized to 0 or 1, say), the
 function runs through a plain `torch.compile` instead, as before.
+
+The files are pickles loaded from the cache directory, the same trust as Inductor's own cache
+there (which loads generated Python modules and shared libraries from it).
 """
 
 from __future__ import annotations
