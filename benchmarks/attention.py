@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mxcompile.attention import mx_attention
-from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL
+from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL
 
 VARIANTS = ("sdpa", "mx", "mx_fp32", "math")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -88,10 +88,10 @@ def measure_peak(variant: str, batch: int, heads: int, seq: int, width: int, cau
     small = make_inputs(1, 1, 64, width)
     fwd_bwd(fn, *small, causal)  # first-call costs (lazy init, kernels) outside the measurement
     if variant == "mx":
-        # MX attention rounds CPU operands of COMPILED_ROUNDING_MIN_NUMEL elements or more with
+        # MX attention rounds CPU operands of COMPILED_MIN_NUMEL elements or more with
         # a compiled graph (dynamic sizes, so one graph serves every length): compile it here,
         # on one head just that large, so that compile memory stays out of the measurement.
-        warm_len = max(64, COMPILED_ROUNDING_MIN_NUMEL // width)
+        warm_len = max(64, COMPILED_MIN_NUMEL // width)
         fwd_bwd(fn, *make_inputs(1, 1, warm_len, width), causal)
     baseline = _rss()
     peak = baseline

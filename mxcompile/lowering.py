@@ -1,10 +1,13 @@
 """Lowering of rewritten forward / backward / inference graphs.
 
-On CPU the mxcompile ops are decomposed into their pure-PyTorch definitions (so Inductor fuses
-quantization into its generated C++ loops) and the graph goes to Inductor's inner compiler. On
-CUDA the ops whose CUDA kernel is a Triton one (`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque:
-Inductor runs them as fallback kernels, which dispatch to their `register_kernel("cuda")`
-implementation; the others are decomposed as on CPU.
+Every MX GEMM that does not run the Triton MX GEMM (all of them on CPU) becomes a
+high-precision GEMM of its exactly dequantized operands (`lower_mx_gemms`). On CPU the quantize
+ops (`mxcompile.ops.CPU_KERNEL_OPS`) then stay opaque: Inductor runs them as fallback kernels,
+whose CPU kernels are compiled graphs shared by every shape (`mxcompile.ops.cpu_kernels`), so
+Inductor does not generate and compile a quantize loop body per GEMM operand. On CUDA the ops
+whose CUDA kernel is a Triton one (`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque, and the others
+are decomposed into their Inductor forms, which Inductor fuses into its Triton kernels. The
+graph then goes to Inductor's inner compiler.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .ops import CUDA_KERNEL_OPS, DECOMPOSITIONS
+from .ops import CPU_KERNEL_OPS, CUDA_KERNEL_OPS, DECOMPOSITIONS
 from .ops.mx_mm import MX_MM, gemm_operand_dtype
 from .config import GemmKernel
 from .ops.quantize import (
+    DEQUANTIZE,
+    FAKE_QUANTIZE,
     QUANTIZE,
     dequantize_for_inductor,
-    fake_quantize_for_inductor,
     fake_quantize_with_casts,
     quantize_with_casts,
 )
@@ -90,7 +94,7 @@ def _only_feeds_an_add(node: fx.Node) -> bool:
 
 
 # The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
-_LOWERING_HELPERS = (fake_quantize_for_inductor, fake_quantize_with_casts, quantize_with_casts,
+_LOWERING_HELPERS = (fake_quantize_with_casts, quantize_with_casts,
                      dequantize_for_inductor, _matmul, _product_not_fused_with_bias)
 
 
@@ -143,15 +147,29 @@ def lower_cuda_quantizes(gm: fx.GraphModule) -> int:
     return count
 
 
+def _operand(gm: fx.GraphModule, device: torch.device, args: tuple, cuda_form: Callable,
+             cpu_op: torch._ops.OpOverload) -> fx.Node:
+    """A node computing one dequantized GEMM operand: on CUDA the Inductor form `cuda_form`,
+    which `decompose_mx_ops` traces and Inductor fuses into its kernels; on CPU the op
+    `cpu_op`, which stays opaque (its CPU kernel is a compiled graph, `ops.cpu_kernels`), with
+    its fake value where its inputs have theirs."""
+    if device.type == "cuda":
+        return gm.graph.call_function(cuda_form, args)
+    node = gm.graph.call_function(cpu_op, args)
+    if all("val" in n.meta for n in node.all_input_nodes):  # a traced graph (fx.symbolic_trace has none)
+        node.meta["val"] = cpu_op(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+    return node
+
+
 def lower_mx_gemms(gm: fx.GraphModule) -> int:
     """Rewrite each mxcompile::mx_mm that runs dequantized (`runs_triton_mx_gemm`: all of them
     on CPU) into a high-precision matmul of its dequantized operands.
 
     An operand quantized in this same graph is fake-quantized straight from its high-precision
-    source (bit-identical values, no fp8 round trip: on CPU in fp32 arithmetic that Inductor
-    vectorizes, `numerics.rounding`; on CUDA with the fp8 cast, `fake_quantize_with_casts`); an
-    operand that arrives as fp8 (saved by the forward for the backward) is dequantized. Returns
-    the count."""
+    source (bit-identical values, no fp8 round trip: on CPU by `mxcompile::fake_quantize`, in
+    fp32 arithmetic, `numerics.rounding`; on CUDA with the fp8 cast, `fake_quantize_with_casts`);
+    an operand that arrives as fp8 (saved by the forward for the backward) is dequantized.
+    Returns the count."""
     count = 0
     cuda_kernels: list[str] = []  # the gemm_kernel setting of each one lowered in a CUDA graph
     for node in list(gm.graph.nodes):
@@ -162,18 +180,16 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
         a, a_scale, b, b_scale, block_size, out_dtype = node.args
         device = value_device(node)
         operand_dtype = gemm_operand_dtype(out_dtype, device)
-        fake_quantize = fake_quantize_with_casts if device.type == "cuda" else fake_quantize_for_inductor
         with gm.graph.inserting_before(node):
             operands = []
             for data, scale, axis in ((a, a_scale, -1), (b, b_scale, -2)):
                 producer = _producing_quantize(data, scale)
                 if producer is not None:
-                    operands.append(gm.graph.call_function(
-                        fake_quantize, (*producer.args, operand_dtype)))
+                    args = (*producer.args, operand_dtype)
+                    operands.append(_operand(gm, device, args, fake_quantize_with_casts, FAKE_QUANTIZE))
                 else:
-                    ndim = data.meta["val"].ndim
-                    operands.append(gm.graph.call_function(
-                        dequantize_for_inductor, (data, scale, axis % ndim, block_size, operand_dtype)))
+                    args = (data, scale, axis % data.meta["val"].ndim, block_size, operand_dtype)
+                    operands.append(_operand(gm, device, args, dequantize_for_inductor, DEQUANTIZE))
             product = gm.graph.call_function(_matmul, (*operands, out_dtype))
             if _only_feeds_an_add(node):  # with more users the GEMM's output is stored: no addmm fusion
                 product = gm.graph.call_function(_product_not_fused_with_bias, (product,))
@@ -338,10 +354,11 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
 
 def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """CUDA graphs keep the ops of CUDA_KERNEL_OPS opaque (their CUDA kernels run the Triton
-    kernels); the other MX ops, and all of them in CPU graphs, are decomposed for Inductor."""
+    kernels), CPU graphs those of CPU_KERNEL_OPS (their CPU kernels are compiled graphs); the
+    other MX ops are decomposed for Inductor."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    opaque = CUDA_KERNEL_OPS if _on_cuda(example_inputs) else frozenset()
+    opaque = CUDA_KERNEL_OPS if _on_cuda(example_inputs) else CPU_KERNEL_OPS
     # A graph whose memory was planned keeps its planned order: Inductor's own peak-memory
     # reordering moves recomputation earlier than planned (measured on the tiny GPT at half the
     # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).

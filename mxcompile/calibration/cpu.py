@@ -1,7 +1,7 @@
 """This CPU's :class:`~mxcompile.cost.profiles.DeviceProfile`, measured once and cached.
 
 :func:`measure_cpu_profile` times small fp32 and bf16 matmuls, a DRAM copy and the MX ops that
-run below the roofline on CPUs (the Inductor-compiled quantize, the eager attention op), and
+run below the roofline on CPUs (the quantize op's compiled CPU kernel, the attention op), and
 caches the profile on disk keyed by the CPU model and instruction set (a profile measured on
 another host, e.g. one with AVX512-BF16, priced bf16 GEMMs 150x too fast on an AVX2-only one).
 """
@@ -28,20 +28,20 @@ from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
 from ..cost.profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 from ..ops.attention import ATTENTION
 from ..ops.attention_reference import default_key_tile
-from ..ops.quantize import quantize_for_inductor
+from ..ops.quantize import QUANTIZE
 
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 3  # bump when the measurement (or a measured op) changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 4  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
 CPU_LLC_COPIES = 4  # ...which is at least this many last-level caches, so DRAM is timed, not the cache
 LLC_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
-CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the compiled quantize timed for op_rates["quantize"]
+CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the quantize op timed for op_rates["quantize"]
 CPU_ATTENTION_SHAPE = (2, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for op_rates["attention"]
-QUANTIZE_CHILD_TIMEOUT_S = 600.0  # the child compiles one small graph with Inductor
+QUANTIZE_CHILD_TIMEOUT_S = 600.0  # the child compiles the op's CPU kernel graphs with Inductor
 CPU_WARMUP_S = 0.05  # warm-up calls first (thread pools, kernel JIT): the first calls run far slower
 CPU_MIN_MEASURE_S = 0.1  # then each measurement repeats until at least this long has passed...
 CPU_MAX_REPEATS = 200  # ...or this many repeats
@@ -153,26 +153,28 @@ def _attention_rate() -> float:
 
 def quantize_rate_child() -> None:
     """Run in a child process by :func:`_compiled_quantize_rate`: print the input elements per
-    second of ``mxcompile::quantize`` as Inductor compiles it on CPU (its Inductor form, along
-    each axis of a ``CPU_QUANTIZE_SHAPE`` fp32 tensor; the mean of the two times). The child
-    inherits the parent's thread count through ``OMP_NUM_THREADS`` (set by the parent)."""
+    second of ``mxcompile::quantize`` on CPU (its CPU kernel, a compiled graph per block layout,
+    `ops.cpu_kernels`; along each axis of a ``CPU_QUANTIZE_SHAPE`` fp32 tensor, the mean of the
+    two times). The child inherits the parent's thread count through ``OMP_NUM_THREADS`` (set
+    by the parent)."""
 
     config = MXConfig()
     x = torch.randn(CPU_QUANTIZE_SHAPE)
     times = []
     for axis in range(x.ndim):
-        compiled = torch.compile(functools.partial(quantize_for_inductor, axis=axis, elem=config.forward_elem.value,
-                                                   scale_mode=config.scale_mode.value, block_size=config.block_size))
-        times.append(_best_over_threads(lambda: compiled(x)))
+        quantize = functools.partial(QUANTIZE, x, axis, config.forward_elem.value, config.scale_mode.value,
+                                     config.block_size)
+        quantize()  # compiles (or loads) the kernel's graph
+        times.append(_best_over_threads(quantize))
     print(json.dumps({"elements_per_s": x.numel() / statistics.fmean(times)}))
 
 
 def _compiled_quantize_rate() -> float:
-    """Input elements/s of the MX quantize Inductor generates on this CPU, measured in a fresh
-    process (a compile inside the backend's own compile would nest Dynamo and run under the
-    graph's fake mode). Its element loops are scalar (Inductor's CPU code emits int<->float
-    bitcasts element by element): measured 0.16-0.24 G elements/s on a 2-core AVX2 host, 4x
-    slower per element than its memory traffic at that host's copy bandwidth."""
+    """Input elements/s of the MX quantize op's CPU kernel on this CPU, measured in a fresh
+    process (its first call compiles a graph, and a compile inside the backend's own compile
+    would nest Dynamo and run under the graph's fake mode). It runs below the memory bandwidth:
+    0.16-0.24 G elements/s on a 2-core AVX2 host (scalar fp8 casts), 4x slower per element than
+    its memory traffic at that host's copy bandwidth."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH")))),
            "OMP_NUM_THREADS": str(torch.get_num_threads())}

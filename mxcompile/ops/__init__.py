@@ -1,6 +1,7 @@
 """Every `torch.library` op of mxcompile, one module per op family:
 
-    quantize   mxcompile::quantize, mxcompile::dequantize
+    quantize   mxcompile::quantize, mxcompile::dequantize, mxcompile::fake_quantize
+               (CPU kernels: cpu_kernels, their Inductor forms compiled once, dynamic sizes)
     mx_mm      mxcompile::mx_mm
     attention  mxcompile::attention, mxcompile::attention_backward
                (reference: attention_reference; eligibility: attention_checks)
@@ -10,20 +11,23 @@
 Each module holds the op's schema, its torch reference (built on `mxcompile.numerics`), its
 fake, its autograd where it has one, and its CUDA kernel, registered with
 `register_kernel("cuda")` (the Triton launchers of `mxcompile.triton_templates`, with the torch
-reference as the fallback). The module constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the
-overloads the graph passes insert; passes import them from here. `DECOMPOSITIONS` holds the
-Inductor forms the CPU lowering decomposes the ops into; `CUDA_KERNEL_OPS` the ops the CUDA
-lowering keeps opaque because their CUDA kernel is a Triton one (except the MX GEMMs, and their
-quantize nodes, that `mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS instead).
+reference as the fallback); the quantize ops' CPU kernels are in `cpu_kernels`. The module
+constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the overloads the graph passes insert;
+passes import them from here. `DECOMPOSITIONS` holds the Inductor forms the lowering decomposes
+the ops into where they are not kept opaque; `CUDA_KERNEL_OPS` the ops the CUDA lowering keeps
+opaque because their CUDA kernel is a Triton one (except the MX GEMMs, and their quantize nodes,
+that `mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS instead); `CPU_KERNEL_OPS` those
+the CPU lowering keeps opaque, their CPU kernels being compiled graphs.
 """
 
 from __future__ import annotations
 
-from . import attention, grouped_mm, offload
+from . import attention, cpu_kernels, grouped_mm, offload
 from .mx_mm import MX_MM, gemm_operand_dtype, mx_mm_peak_bytes
 from .mx_mm import DECOMPOSITIONS as _MX_MM_DECOMPOSITIONS
 from .quantize import (
     DEQUANTIZE,
+    FAKE_QUANTIZE,
     QUANTIZE,
     QUANTIZE_SLICE_ELEMENTS,
     quantize_scratch_bytes,
@@ -32,15 +36,19 @@ from .quantize import DECOMPOSITIONS as _QUANTIZE_DECOMPOSITIONS
 
 DECOMPOSITIONS: dict = {**_QUANTIZE_DECOMPOSITIONS, **_MX_MM_DECOMPOSITIONS}
 CUDA_KERNEL_OPS = frozenset({QUANTIZE, MX_MM})
+CPU_KERNEL_OPS = frozenset({QUANTIZE, DEQUANTIZE, FAKE_QUANTIZE})
 
 __all__ = [
+    "CPU_KERNEL_OPS",
     "CUDA_KERNEL_OPS",
     "DECOMPOSITIONS",
     "DEQUANTIZE",
+    "FAKE_QUANTIZE",
     "MX_MM",
     "QUANTIZE",
     "QUANTIZE_SLICE_ELEMENTS",
     "attention",
+    "cpu_kernels",
     "gemm_operand_dtype",
     "grouped_mm",
     "mx_mm_peak_bytes",

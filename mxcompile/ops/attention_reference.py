@@ -68,20 +68,14 @@ The ops, their layouts, their lowering and their CUDA kernels: `mxcompile.ops.at
 
 from __future__ import annotations
 
-import enum
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..numerics import ElemFormat, ScaleMode, elem_format, fake_quantize_along
+from ..numerics import elem_format, fake_quantize_along
 from ..numerics import scale_mode_named
-from .precompiled import Precompiled, source_key
-from .quantize import inductor_realized
+from .cpu_kernels import fake_quantized, runs_compiled
 
 ATTENTION_MODES = ("both", "qk_only", "off")
 # Gradient element format when the forward op is differentiated through its registered autograd
@@ -91,12 +85,6 @@ DEFAULT_GRAD_ELEM = "e4m3"
 DEFAULT_KEY_TILE = 128  # keys per tile, rounded down to a multiple of the block size
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-# The ops are opaque to Inductor (mxcompile.ops.attention), so on the CPU their MX rounding ran
-# as about fifteen eager elementwise passes per operand; compiled once, it is one fused loop
-# (13-15x faster from 2**18 elements on the 2-core CPU, 2-3x at 2**12-2**16). The first
-# compile takes about 10 s per process on a cold Inductor cache, so operands smaller than this
-# (tests, toy models) stay eager; the values are the same either way.
-COMPILED_ROUNDING_MIN_NUMEL = 1 << 16
 
 
 def check_attention_mode(attention_mode: str) -> None:
@@ -161,102 +149,15 @@ def default_key_tile(block_size: int) -> int:
     return max(block_size, DEFAULT_KEY_TILE // block_size * block_size)
 
 
-class BlockLayout(enum.Enum):
-    """Where the blocks of a compiled rounding's input lie."""
-
-    ROWS = "rows"  # (rows, length): blocks of consecutive elements along each row
-    COLUMNS = "columns"  # (batch, length, width): blocks along the middle axis, in memory order
-
-
 def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int) -> torch.Tensor:
     """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees),
-    in fp32 arithmetic (no fp8 round trip: see `numerics.fake_quantize_along`); compiled for
-    CPU operands of COMPILED_ROUNDING_MIN_NUMEL elements or more.
-
-    Contiguous fp32 operands along their second-to-last axis (the backward's score tiles P and
-    dS along the queries, for Pᵀ·dO and dSᵀ·Q) are rounded in memory order by the COLUMNS graph;
-    their transposed copy cost more than the rounding itself. Every other operand is rounded as
-    the rows of a contiguous 2-D view (bf16 operands along the sequence through a transposed
-    copy, which is small: one more traced graph per process for them would cost more)."""
-    fmt, mode, axis = elem_format(elem), scale_mode_named(scale_mode), axis % x.ndim
-    if not _compiles_rounding(x):
-        return fake_quantize_along(x, axis, fmt, mode, block_size)
-    x = x.detach()
-    if axis == x.ndim - 2 and x.dtype == torch.float32 and x.is_contiguous():
-        columns = x.view(-1, x.shape[-2], x.shape[-1])
-        return compiled_rounding(fmt, mode, block_size, BlockLayout.COLUMNS)(columns).view(x.shape)
-    moved = x.movedim(axis, -1)
-    rows = moved.contiguous().view(-1, moved.shape[-1])
-    rounded = compiled_rounding(fmt, mode, block_size, BlockLayout.ROWS)(rows)
-    return rounded.view(moved.shape).movedim(-1, axis)
-
-
-def _compiles_rounding(x: torch.Tensor) -> bool:
-    """Whether `_mx_rounded` runs the compiled rounding on `x`: a large CPU operand, outside
-    any tracing (torch.compile cannot run under a Python dispatch mode, e.g. a FLOP counter or a
-    memory recorder, nor be entered while Dynamo traces)."""
-    return (
-        x.device.type == "cpu"
-        and x.numel() >= COMPILED_ROUNDING_MIN_NUMEL
-        and _get_current_dispatch_mode() is None
-        and not torch.compiler.is_compiling()
-    )
-
-
-@functools.cache
-def _rounding_source_key() -> str:
-    """The source the rounding graphs are traced from: the numerics core, the Inductor forms
-    of quantize and this module."""
-    from .. import numerics
-
-    here = Path(__file__).parent
-    return source_key([*Path(numerics.__file__).parent.glob("*.py"), here / "quantize.py", Path(__file__)])
-
-
-@functools.cache
-def compiled_rounding(
-    fmt: ElemFormat, mode: ScaleMode, block_size: int, layout: BlockLayout
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`fake_quantize_along` torch.compile'd, without autograd, for a contiguous input in
-    `layout`: ROWS (rows, length) along axis 1, COLUMNS (batch, length, width) along axis 1;
-    the length a multiple of block_size.
-
-    The compiled graph takes its input split into blocks and stores each block's scale once
-    (`ops.quantize.inductor_realized`). Inductor then computes the scales in a vectorized loop
-    over blocks rather than as a chain of scalar operations in every element vector of the
-    block, and writes the blocked shape itself, where 2-D rows of dynamic length cost an extra
-    copy (ROWS: 0.86 -> 0.36 ns per element at 2**21 elements, 2-core CPU).
-
-    The sizes of the block grid are dynamic from the first call, so one graph per layout and
-    input dtype serves every shape (2 graphs instead of 5 for the shapes of an attention step
-    in rows). Not `dynamic=True`: that would make the block_size symbolic too, and Inductor's
-    loops over blocks of unknown length do not vectorize (7-10x slower).
-
-    The compiled function is saved under the Inductor cache directory (`ops.precompiled`):
-    later processes load it instead of tracing it again with Dynamo (0.5 s per graph)."""
-    block_axis = 2 if layout is BlockLayout.ROWS else 1
-
-    def blocks_rounded(blocks: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_along(blocks, block_axis, fmt, mode, block_size, materialize=inductor_realized)
-
-    dynamic_dims = (0, 1) if layout is BlockLayout.ROWS else (0, 2)
-    key = repr((fmt.name, mode.value, block_size, layout.value, _rounding_source_key()))
-    compiled = Precompiled(blocks_rounded, name=f"rounding-{layout.value}", key=key,
-                           dynamic_dims=dynamic_dims, globals_=globals())
-
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        if layout is BlockLayout.ROWS:  # (rows, blocks, block_size)
-            blocks = x.view(x.shape[0], x.shape[1] // block_size, block_size)
-        else:  # (batch * blocks, block_size, width)
-            blocks = x.view(-1, block_size, x.shape[2])
-        # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
-        # torch.library kernels run below ADInplaceOrView when called through the op and above
-        # it when called directly (the forward's autograd backward): without one fixed state
-        # Dynamo traced a second graph per input dtype in every process (4 instead of 2).
-        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-            return compiled(blocks).view(x.shape)
-
-    return rounded
+    in fp32 arithmetic (no fp8 round trip: see `numerics.fake_quantize_along`). The ops are
+    opaque to Inductor, so on the CPU large operands are rounded by the compiled kernel of
+    `mxcompile::fake_quantize` (`cpu_kernels`: one fused loop instead of about fifteen eager
+    elementwise passes), in their own memory order, the result in that order too."""
+    if not runs_compiled(x):
+        return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
+    return fake_quantized(x.detach(), axis, elem, scale_mode, block_size, torch.float32)
 
 
 class _Operands:

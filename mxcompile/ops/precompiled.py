@@ -1,15 +1,16 @@
 """Small compiled functions saved to disk, so that later processes load them without tracing.
 
-The attention op's CPU rounding graphs (`attention_reference.compiled_rounding`) run inside an
-op that Inductor cannot see, so they are compiled by a `torch.compile` of their own. Inductor's
-FX graph cache and the AOTAutograd cache make a warm start skip code generation, but Dynamo
-still traces each function in every process: about 0.5 s per graph on the 2-core CPU, three
-graphs per training step, which made a warm mxfp8 start 1.66x Inductor's (issue 15).
+The quantize ops' CPU kernels (`ops.cpu_kernels`: the attention op's rounding and the
+quantize ops inside compiled graphs) run inside ops that Inductor cannot see, so they are
+compiled by a `torch.compile` of their own. Inductor's FX graph cache and the AOTAutograd cache
+make a warm start skip code generation, but Dynamo still traces each function in every process:
+about 0.5 s per graph on the 2-core CPU, three graphs per training step when only the attention
+rounding was compiled, which made a warm mxfp8 start 1.66x Inductor's (issue 15).
 
 `Precompiled` instead compiles the function once with Dynamo's precompile API
 (`torch.compile(...).aot_compile`) and saves the result, Dynamo's guards and bytecode with the
 Inductor artifact, under the Inductor cache directory; a later process loads it in about 10 ms.
-One file per (key, input dtype): the key names everything the graph depends on besides the
+One file per (key, input dtypes): the key names everything the graph depends on besides the
 input (the function's parameters, the source of the modules it runs, torch and Python, the CPU
 capability and Inductor's configuration), so that a change to any of them compiles a new file.
 
@@ -91,51 +92,54 @@ def cache_directory() -> Path:
 
 
 class Precompiled:
-    """`fn(x)` for one tensor `x`, compiled with `torch.compile(fn, fullgraph=True)` and the
-    dims `dynamic_dims` of x dynamic, saved to and loaded from the cache directory when the
-    caches are on. `name` and `key` name the function and everything its graph depends on
-    besides x's dtype (see the module docstring); `globals_` are the globals fn's code runs
-    with (those of the module defining it)."""
+    """`fn(*xs)` for tensors `xs`, compiled with `torch.compile(fn, fullgraph=True)` and the
+    dims `dynamic_dims` of every x dynamic, saved to and loaded from the cache directory when
+    the caches are on. `name` and `key` name the function and everything its graph depends on
+    besides the inputs' dtypes (see the module docstring); `globals_` are the globals fn's code
+    runs with (those of the module defining it)."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], *, name: str, key: str,
+    def __init__(self, fn: Callable[..., Any], *, name: str, key: str,
                  dynamic_dims: Sequence[int], globals_: dict[str, Any]) -> None:
         self.fn, self.name, self.key = fn, name, key
         self.dynamic_dims = tuple(dynamic_dims)
         self.globals = globals_
-        self._loaded: dict[torch.dtype, Any] = {}
-        self._traced: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._loaded: dict[tuple[torch.dtype, ...], Any] = {}
+        self._traced: Callable[..., Any] | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """fn(x); x's `dynamic_dims` are marked dynamic (x should be a view of the caller's)."""
-        precompiled = self._loaded.get(x.dtype)
+    def __call__(self, *xs: torch.Tensor) -> Any:
+        """fn(*xs); the `dynamic_dims` of each x are marked dynamic (each x should be a view of
+        the caller's)."""
+        dtypes = tuple(x.dtype for x in xs)
+        precompiled = self._loaded.get(dtypes)
         if precompiled is None:
             # Dynamo specializes sizes 0 and 1: a graph compiled for one would not serve others.
             # The caches are checked only until a function is loaded (reading torch's config
             # costs ~20 us, as much as the call of a loaded function).
-            if not caches_enabled() or any(x.shape[dim] < 2 for dim in self.dynamic_dims):
-                return self._traced_fn()(self._marked(x))
-            precompiled = self._loaded[x.dtype] = self._load_or_compile(x)
-        if not precompiled.guard_check(x):
-            return self._traced_fn()(self._marked(x))
-        return precompiled(x)
+            if not caches_enabled() or any(x.shape[dim] < 2 for x in xs for dim in self.dynamic_dims):
+                return self._traced_fn()(*self._marked(xs))
+            precompiled = self._loaded[dtypes] = self._load_or_compile(xs)
+        if not precompiled.guard_check(*xs):
+            return self._traced_fn()(*self._marked(xs))
+        return precompiled(*xs)
 
-    def path(self, dtype: torch.dtype) -> Path:
-        """The file that holds the compiled function for inputs of `dtype`."""
-        digest = hashlib.sha256(repr((self.key, environment_key(), str(dtype))).encode()).hexdigest()
+    def path(self, *dtypes: torch.dtype) -> Path:
+        """The file that holds the compiled function for inputs of `dtypes`."""
+        digest = hashlib.sha256(repr((self.key, environment_key(), *map(str, dtypes))).encode()).hexdigest()
         return cache_directory() / f"{self.name}-{digest[:32]}.bin"
 
-    def _marked(self, x: torch.Tensor) -> torch.Tensor:
-        for dim in self.dynamic_dims:
-            torch._dynamo.maybe_mark_dynamic(x, dim)
-        return x
+    def _marked(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for x in xs:
+            for dim in self.dynamic_dims:
+                torch._dynamo.maybe_mark_dynamic(x, dim)
+        return xs
 
-    def _traced_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _traced_fn(self) -> Callable[..., Any]:
         if self._traced is None:
             self._traced = torch.compile(self.fn, fullgraph=True)
         return self._traced
 
-    def _load_or_compile(self, x: torch.Tensor) -> Any:
-        path = self.path(x.dtype)
+    def _load_or_compile(self, xs: tuple[torch.Tensor, ...]) -> Any:
+        path = self.path(*(x.dtype for x in xs))
         if path.exists():
             try:
                 with path.open("rb") as file:
@@ -150,7 +154,7 @@ class Precompiled:
         # symbols and restarts when one must be a constant (the element format's maximum), but
         # aot_compile does not restart (it raises TensorifyScalarRestartAnalysis).
         with torch._dynamo.config.patch(specialize_float=True):
-            compiled = torch.compile(self.fn, fullgraph=True).aot_compile(((self._marked(x),), {}))
+            compiled = torch.compile(self.fn, fullgraph=True).aot_compile((self._marked(xs), {}))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(os.fspath(path))  # written to a temporary file, then renamed

@@ -1,17 +1,21 @@
-"""The MX quantize / dequantize ops: `mxcompile::quantize`, `mxcompile::dequantize`.
+"""The MX quantize ops: `mxcompile::quantize`, `mxcompile::dequantize`, `mxcompile::fake_quantize`.
 
     mxcompile::quantize(x, axis, elem, scale_mode, block_size) -> (fp8 data, uint8 scale bytes)
     mxcompile::dequantize(data, scale, axis, block_size, dtype) -> dtype tensor
+    mxcompile::fake_quantize(x, axis, elem, scale_mode, block_size, dtype) -> dtype tensor
 
-Each op has its torch reference (the numerics core, `mxcompile.numerics`), its fake, and, for
-quantize, a CUDA kernel registered with `register_kernel("cuda")`: the Triton quantize kernel
-of `mxcompile.triton_templates` where it supports the call, the torch reference otherwise.
-Eager calls and Inductor's fallback kernels reach that CUDA kernel alike, so the lowering keeps
-the op opaque on CUDA. On CPU the backend decomposes the ops into their Inductor forms
-(`quantize_for_inductor` etc., `DECOMPOSITIONS`) so that Inductor fuses quantization into its
-generated loops. Scales are uint8 biased exponents here: Inductor's CPU code generation cannot
-view tensors as torch.float8_e8m0fnu (the public API converts at its edge,
-`numerics.e8m0_from_bytes`).
+Each op has its torch reference (the numerics core, `mxcompile.numerics`) and its fake; quantize
+has a CUDA kernel registered with `register_kernel("cuda")`: the Triton quantize kernel of
+`mxcompile.triton_templates` where it supports the call, the torch reference otherwise. Eager
+calls and Inductor's fallback kernels reach that CUDA kernel alike, so the lowering keeps the
+op opaque on CUDA. Their CPU kernels (`ops.cpu_kernels`) run the Inductor forms defined here
+(`quantize_for_inductor`'s arithmetic, `numerics.fake_quantize_along` and `dequantize_along`
+with their block scales stored once per block), compiled once with dynamic sizes; the CPU
+lowering keeps the ops opaque too. On CUDA the forms with fp8 casts (`quantize_with_casts`,
+`fake_quantize_with_casts`) are decomposed into the graph for Inductor to fuse.
+`fake_quantize` is inserted by the lowering only (`lowering.lower_mx_gemms`), after autograd.
+Scales are uint8 biased exponents here: Inductor's CPU code generation cannot view tensors as
+torch.float8_e8m0fnu (the public API converts at its edge, `numerics.e8m0_from_bytes`).
 """
 
 from __future__ import annotations
@@ -165,13 +169,44 @@ def quantize_cuda(
 def dequantize_op(
     data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """data * 2**(scale - 127) along axis, as dtype (scale: uint8 bytes)."""
+    """data * 2**(scale - 127) along axis, as dtype (scale: uint8 bytes); contiguous."""
+    return dequantize_reference(data, scale, axis, block_size, dtype)
+
+
+def dequantize_reference(
+    data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The torch implementation of `mxcompile::dequantize` (the numerics core)."""
     return dequantize_along(data, scale, axis % data.ndim, block_size, dtype).contiguous()
 
 
 @dequantize_op.register_fake
 def _dequantize_fake(data, scale, axis, block_size, dtype):
     return data.new_empty(data.shape, dtype=dtype)
+
+
+@torch.library.custom_op("mxcompile::fake_quantize", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+def fake_quantize_op(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """dequantize(quantize(x)) as `dtype`, without the fp8 round trip: the values an MX GEMM
+    multiplies. The result has x's memory layout (that of `torch.empty_like(x, dtype=dtype)`),
+    so that the transposed weight of a linear layer is rounded in its own memory order; the
+    tag makes Inductor pass x in the strides the graph was traced with."""
+    return fake_quantize_reference(x, axis, elem, scale_mode, block_size, dtype)
+
+
+def fake_quantize_reference(
+    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The torch implementation of `mxcompile::fake_quantize` (the numerics core)."""
+    rounded = fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
+    return _in_layout(torch.empty_like(x, dtype=dtype), rounded.to(dtype))
+
+
+@fake_quantize_op.register_fake
+def _fake_quantize_fake(x, axis, elem, scale_mode, block_size, dtype):
+    return torch.empty_like(x, dtype=dtype)
 
 
 def _is_transposed_contiguous(x: torch.Tensor) -> bool:
@@ -224,7 +259,7 @@ def _quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     blocks, scale_bytes, scale, inverse = _blocks_and_scales(x, axis, elem, scale_mode, block_size)
     # Clamped, then rounded by the fp8 cast itself (round to nearest even, as the reference
     # does): Inductor's CPU code vectorizes fp32 -> fp8 with AVX512 (ATen's vec512_float8), and
-    # rounding first in fp32 (`numerics.rounding`, which `fake_quantize_for_inductor` needs,
+    # rounding first in fp32 (`numerics.rounding`, which the fake-quantize CPU kernel needs,
     # having no cast) would only repeat the cast's work (4096x4096 bf16, interleaved A/B in one
     # process: 8.6 -> 6.3 ms along the last axis, 8.9 -> 7.0 ms along the first).
     values = (blocks * inverse).clamp(-fmt.max_normal, fmt.max_normal)
@@ -262,24 +297,10 @@ def quantize_with_casts(
     return data, scales.contiguous()
 
 
-def _fake_quantize_arithmetic(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
-                              dtype: torch.dtype) -> torch.Tensor:
-    fmt, scale_mode = elem_format(elem), scale_mode_named(scale_mode)
-    return fake_quantize_along(x, axis, fmt, scale_mode, block_size, materialize=inductor_realized).to(dtype)
-
-
 def _fake_quantize_casts(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
                          dtype: torch.dtype) -> torch.Tensor:
     data, scale_bytes = _quantize(x, axis, elem, scale_mode, block_size)
     return dequantize_along(data, scale_bytes, axis, block_size, dtype)
-
-
-def fake_quantize_for_inductor(
-    x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """dequantize(quantize(x)) as `dtype` without an fp8 round trip (an MX GEMM operand), in
-    the CPU form of `quantize_for_inductor`."""
-    return _in_memory_order(_fake_quantize_arithmetic, x, axis, elem, scale_mode, block_size, dtype)
 
 
 def fake_quantize_with_casts(
@@ -309,6 +330,7 @@ def dequantize_for_inductor(
 # The overloads the graph passes insert.
 QUANTIZE = torch.ops.mxcompile.quantize.default
 DEQUANTIZE = torch.ops.mxcompile.dequantize.default
+FAKE_QUANTIZE = torch.ops.mxcompile.fake_quantize.default
 
 # The ops' definitions for Inductor, used to decompose them before Inductor lowers a graph.
 DECOMPOSITIONS: dict = {

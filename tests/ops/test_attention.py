@@ -360,26 +360,27 @@ def test_mx_attention_rejects_bad_options():
 
 
 def _counting_compiled_rounding(monkeypatch) -> list:
-    """Replace attention_reference.compiled_rounding by a wrapper recording its calls."""
-    import mxcompile.ops.attention_reference as reference
+    """Replace cpu_kernels.compiled_rounding by a wrapper recording its calls."""
+    import mxcompile.ops.cpu_kernels as cpu_kernels
 
-    calls, compiled = [], reference.compiled_rounding
-    monkeypatch.setattr(reference, "compiled_rounding", lambda *key: calls.append(key) or compiled(*key))
+    calls, compiled = [], cpu_kernels.compiled_rounding
+    monkeypatch.setattr(cpu_kernels, "compiled_rounding", lambda *key: calls.append(key) or compiled(*key))
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dtype):
-    """Large CPU operands are rounded by a compiled graph (COMPILED_ROUNDING_MIN_NUMEL): the
-    same fp32 values as numerics.fake_quantize_along, along either axis, on strided inputs."""
+    """Large CPU operands are rounded by a compiled graph (COMPILED_MIN_NUMEL): the same fp32
+    values as numerics.fake_quantize_along, along either axis, on strided inputs."""
     from mxcompile.numerics import E4M3, E5M2, ScaleMode, fake_quantize_along
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, _mx_rounded
+    from mxcompile.ops.attention_reference import _mx_rounded
+    from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout
 
     calls = _counting_compiled_rounding(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(1, 4, 1, 256, 64, generator=g) * torch.logspace(-30, 30, 64)).to(dtype)
     x.view(-1)[:5] = torch.tensor([0.0, -0.0, 1e-40, 448.0, -500.0]).to(dtype)
-    assert x.numel() >= COMPILED_ROUNDING_MIN_NUMEL
+    assert x.numel() >= COMPILED_MIN_NUMEL
     for operand in (x, x.transpose(-1, -2)):
         for axis in (-1, -2):
             for fmt, elem in ((E4M3, "e4m3"), (E5M2, "e5m2")):
@@ -388,9 +389,9 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
                 assert got.shape == want.shape
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (axis, elem)
     assert len(calls) == 8
-    # fp32 along the second-to-last axis of a contiguous operand: in memory order.
-    layouts = {BlockLayout.ROWS, BlockLayout.COLUMNS} if dtype == torch.float32 else {BlockLayout.ROWS}
-    assert {key[-1] for key in calls} == layouts
+    # Blocks along the last axis of the memory order: ROWS, along another: COLUMNS (no copy).
+    assert {key[-2] for key in calls} == {BlockLayout.ROWS, BlockLayout.COLUMNS}
+    assert {key[-1] for key in calls} == {torch.float32}
 
 
 def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_state():
@@ -401,11 +402,11 @@ def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_stat
     from torch._dynamo.utils import counters
 
     from mxcompile.numerics import E5M2, ScaleMode
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, compiled_rounding
+    from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout, compiled_rounding
 
     # A key no other test uses (functools.cache), so that its first call traces here.
-    round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64, BlockLayout.ROWS)
-    rows = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64, BlockLayout.ROWS, torch.float32)
+    rows = torch.randn(COMPILED_MIN_NUMEL // 128, 128)
     first = round_rows(rows)  # traced, or loaded from the precompiled file of an earlier run
     traced = counters["stats"]["unique_graphs"]
     with torch._C._AutoDispatchBelowADInplaceOrView():
@@ -428,7 +429,7 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, lay
     from torch._inductor.virtualized import V
 
     from mxcompile.numerics import E5M2, ScaleMode
-    from mxcompile.ops.attention_reference import COMPILED_ROUNDING_MIN_NUMEL, BlockLayout, compiled_rounding
+    from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout, compiled_rounding
 
     points: dict[int, int] = {}
     traced = loop_body.LoopBody.__call__
@@ -438,11 +439,11 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, lay
         return traced(self, *args, **kwargs)
 
     monkeypatch.setattr(loop_body.LoopBody, "__call__", recording)
-    x = torch.randn(COMPILED_ROUNDING_MIN_NUMEL // 128, 128)
+    x = torch.randn(COMPILED_MIN_NUMEL // 128, 128)
     if layout == "columns":
         x = x.view(4, -1, 128)
     # A key no other test uses (functools.cache), so that its first call compiles here.
-    rounded = compiled_rounding(E5M2, ScaleMode.FLOOR, 32, BlockLayout(layout))
+    rounded = compiled_rounding(E5M2, ScaleMode.FLOOR, 32, BlockLayout(layout), torch.float32)
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         rounded(x)
     counts = list(points.values())
@@ -453,7 +454,7 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, lay
 def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
     """The ops' outputs with the compiled rounding (large operands) against the eager one: the
     same operand values, so equal up to the summation order of the GEMMs on other layouts."""
-    import mxcompile.ops.attention_reference as reference
+    import mxcompile.ops.cpu_kernels as cpu_kernels
 
     (q, k, v, do), _ = _case("gqa_causal")
     options = AttentionOptions(True, 0.125, "both", "e4m3", "rceil", 32, 128, grad_elem="e4m3")
@@ -465,7 +466,7 @@ def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch)
     calls = _counting_compiled_rounding(monkeypatch)
     compiled = run()
     assert calls, "the operands are large enough for the compiled rounding"
-    monkeypatch.setattr(reference, "COMPILED_ROUNDING_MIN_NUMEL", math.inf)
+    monkeypatch.setattr(cpu_kernels, "COMPILED_MIN_NUMEL", math.inf)
     calls.clear()
     eager = run()
     assert not calls

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from mxcompile.ops.quantize import (
+    DEQUANTIZE,
+    FAKE_QUANTIZE,
+    QUANTIZE,
     dequantize_for_inductor,
-    fake_quantize_for_inductor,
     fake_quantize_with_casts,
     quantize_for_inductor,
 )
@@ -34,32 +36,29 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(as_int) == b.view(as_int)) | (a.isnan() & b.isnan())).all())
 
 
-def _quantize_and_fake_quantize(x, axis, elem, scale_mode):
-    """Both Inductor forms in one graph: one compile per case instead of two."""
-    return (quantize_for_inductor(x, axis, elem, scale_mode, 32),
-            fake_quantize_for_inductor(x, axis, elem, scale_mode, 32, torch.float32))
-
-
-def _axes(dtype: torch.dtype) -> tuple[int, ...]:
-    """Every scale mode along the last axis; the first axis (strided blocks) once per element
-    format, in fp32 (the dtype only changes the load, which the last axis covers): 24 Inductor
-    compiles for the whole test instead of 64, to keep CI within its time budget."""
-    return (1, 0) if dtype == torch.float32 else (1,)
-
-
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inductor_quantize_is_bit_identical_to_the_numerics_core(elem, dtype):
-    x = _special_data().to(dtype)
-    compiled = torch.compile(_quantize_and_fake_quantize, dynamic=False)
-    for scale_mode in ScaleMode:
-        for axis in _axes(dtype):
-            want_data, want_scale = quantize_along(x, axis, ELEM_FORMATS[elem], scale_mode, 32)
-            (got_data, got_scale), got = compiled(x, axis, elem, scale_mode.value)
-            assert _same_bits(got_scale, want_scale), (scale_mode, axis)
-            assert _same_bits(got_data, want_data), (scale_mode, axis)
-            want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
-            assert _same_values(got, want), (scale_mode, axis)
+def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch):
+    """The quantize ops' CPU kernels (`ops.cpu_kernels`: their Inductor forms compiled with
+    dynamic sizes) against the numerics core on the edge cases of quantization: every scale
+    mode along the last axis (ROWS) in fp32; a bf16 input along the first axis (COLUMNS) once,
+    since the layout and the dtype change only the loads (12 compiles per format, to keep CI
+    within its time budget)."""
+    import mxcompile.ops.cpu_kernels as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "COMPILED_MIN_NUMEL", 0)  # compiled at any size
+    fmt = ELEM_FORMATS[elem]
+    x = _special_data()
+    cases = [(x, 1, mode) for mode in ScaleMode]
+    cases.append((x.bfloat16(), 0, ScaleMode.RCEIL))
+    for operand, axis, scale_mode in cases:
+        case = (operand.dtype, axis, scale_mode)
+        want_data, want_scale = quantize_along(operand, axis, fmt, scale_mode, 32)
+        want = dequantize_along(want_data, want_scale, axis, 32, torch.float32)
+        data, scale = QUANTIZE(operand, axis, elem, scale_mode.value, 32)
+        assert _same_bits(scale, want_scale), case
+        assert _same_bits(data, want_data), case
+        assert _same_values(FAKE_QUANTIZE(operand, axis, elem, scale_mode.value, 32, torch.float32), want), case
+        assert _same_values(DEQUANTIZE(data, scale, axis, 32, torch.float32), want), case
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
@@ -177,8 +176,12 @@ MAX_LOOP_BODY_NODES = 500
 
 def test_inductor_quantize_loop_bodies_stay_small(monkeypatch):
     """Compile time: the scale computation is not re-expanded at every use. Counts the nodes
-    of each loop body Inductor's C++ code generation runs (torch._inductor.loop_body.LoopBody)."""
+    of each loop body Inductor's C++ code generation runs (torch._inductor.loop_body.LoopBody)
+    for the fake-quantize op's CPU kernel."""
     from torch._inductor import loop_body
+
+    from mxcompile.numerics import E4M3
+    from mxcompile.ops.cpu_kernels import BlockLayout, compiled_rounding
 
     sizes: list[int] = []
     traced = loop_body.LoopBody.__call__
@@ -190,14 +193,13 @@ def test_inductor_quantize_loop_bodies_stay_small(monkeypatch):
 
     monkeypatch.setattr(loop_body.LoopBody, "__call__", counting)
 
-    def operand_times_two(x):
-        return fake_quantize_for_inductor(x, 1, "e4m3", "rceil", 32, torch.float32) * 2.0
-
+    # A key no other test uses (functools.cache: a function loaded earlier would not compile).
+    rounded = compiled_rounding(E4M3, ScaleMode.CEIL, 32, BlockLayout.ROWS, torch.bfloat16)
     # Cached compiled code would skip code generation (and the count): compile afresh.
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        torch.compile(operand_times_two, dynamic=False)(torch.randn(64, 64))
+        rounded(torch.randn(64, 64))
     assert sizes, "Inductor traced no loop body: the test measured nothing"
     assert max(sizes) <= MAX_LOOP_BODY_NODES, sizes

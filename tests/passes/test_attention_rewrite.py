@@ -252,11 +252,11 @@ def test_dynamic_sequence_length_is_padded_at_run_time_without_recompiling(monke
     """After a second length dynamo recompiles with a symbolic sequence length; blocks of 32
     cannot be proven to fit, so the lengths are padded at run time and that one graph serves
     every later length (65 and 100 included) without another compile."""
-    import mxcompile.ops.attention_reference as attention_reference
+    import mxcompile.ops.cpu_kernels as cpu_kernels
 
     # The op's compiled rounding of large CPU operands counts its own graphs in dynamo's
     # counters: keep it eager so that the count below is the model's alone.
-    monkeypatch.setattr(attention_reference, "COMPILED_ROUNDING_MIN_NUMEL", math.inf)
+    monkeypatch.setattr(cpu_kernels, "COMPILED_MIN_NUMEL", math.inf)
     torch._dynamo.reset()
     counters.clear()
     report = Report({})
