@@ -9,7 +9,7 @@ dtypes) for operands of COMPILED_MIN_NUMEL elements or more: the op's Inductor f
 (`ops.quantize`, bit-identical to the numerics core) on a contiguous view of the operand's
 blocks, with the block grid's sizes dynamic, so one graph serves every shape. The graphs are
 saved under the Inductor cache directory and later processes load them (`ops.precompiled`).
-Smaller operands (tests, toy models) run the torch reference: the same values.
+Smaller operands run the torch reference: the same values.
 
 Why the CPU lowering keeps these ops opaque rather than inlining their Inductor forms into each
 graph: Inductor then generated and compiled a quantize loop body per GEMM operand, specialized
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..numerics import ElemFormat, ScaleMode, dequantize_along, elem_format, fake_quantize_along
@@ -51,9 +52,11 @@ from .quantize import (
 )
 
 # Compiled, a rounding is one fused loop (13-15x faster than the ~15 eager elementwise passes of
-# the reference from 2**18 elements on the 2-core CPU, 2-3x at 2**12-2**16). A first compile
-# takes seconds per graph on a cold Inductor cache, so operands smaller than this (tests, toy
-# models) stay eager; the values are the same either way.
+# the reference from 2**18 elements on the 2-core CPU, 2-3x at 2**12-2**16). Smaller operands
+# stay eager (the values are the same either way). A lower bound speeds up the steps of toy
+# models (the demo's tiny GPT in one process: 30.9 ms per step at 2**16, 17.9 ms at 2**12) but
+# compiles more graphs first (the demo's whole run 40.6 s at 2**16, 54.1 s at 2**12, the test
+# suite 11 -> 15 min): kept at 2**16, where real models' operands lie.
 COMPILED_MIN_NUMEL = 1 << 16
 
 
@@ -67,12 +70,13 @@ class BlockLayout(enum.Enum):
 def runs_compiled(x: torch.Tensor) -> bool:
     """Whether the kernels run a compiled graph on `x`: a large CPU operand, outside any
     tracing (torch.compile cannot run under a Python dispatch mode, e.g. a FLOP counter or a
-    memory recorder, nor be entered while Dynamo traces)."""
+    memory recorder, nor be entered while Dynamo or FX traces)."""
     return (
         x.device.type == "cpu"
         and x.numel() >= COMPILED_MIN_NUMEL
         and _get_current_dispatch_mode() is None
         and not torch.compiler.is_compiling()
+        and not is_fx_symbolic_tracing()  # make_fx of real tensors: Dynamo refuses to compile inside it
     )
 
 

@@ -203,3 +203,21 @@ def test_inductor_quantize_loop_bodies_stay_small(monkeypatch):
         rounded(torch.randn(64, 64))
     assert sizes, "Inductor traced no loop body: the test measured nothing"
     assert max(sizes) <= MAX_LOOP_BODY_NODES, sizes
+
+
+def test_cpu_kernels_run_eagerly_while_fx_traces():
+    """make_fx of real tensors runs the ops' CPU kernels inside FX tracing, where Dynamo refuses
+    to compile ("FX to symbolically trace a dynamo-optimized function"): the kernels take the
+    reference there. The operand is large enough for a compiled graph, and its block grid has a
+    dim of size 1 (one block along axis 0), so a compiled kernel would go through torch.compile."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL
+
+    x = torch.randn(32, 4096)
+    assert x.numel() >= COMPILED_MIN_NUMEL
+    traced = make_fx(lambda t: QUANTIZE(t, 0, "e4m3", "rceil", 32))(x)
+    assert QUANTIZE in {n.target for n in traced.graph.nodes}
+    want_data, want_scale = quantize_along(x, 0, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
+    data, scale = traced(x)
+    assert _same_bits(data, want_data) and _same_bits(scale, want_scale)
