@@ -36,16 +36,17 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..numerics import ElemFormat, ScaleMode, dequantize_along, elem_format, fake_quantize_along
+from ..numerics.quantize import check_quantizable
 from ..numerics import scale_mode_named
 from .precompiled import Precompiled, source_key
 from .quantize import (
-    _is_transposed_contiguous,
+    _in_memory_order,
     _quantize_arithmetic,
-    _swap_last_two,
     dequantize_op,
     dequantize_reference,
     fake_quantize_op,
     fake_quantize_reference,
+    in_layout_of,
     inductor_realized,
     quantize_op,
     quantize_reference,
@@ -198,12 +199,21 @@ def _layout_view(x: torch.Tensor, axis: int) -> tuple[BlockLayout, torch.Tensor]
     return BlockLayout.COLUMNS, x.view(-1, x.shape[axis], inner)
 
 
-def _laid_out_like(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """t (of x's shape) in the layout of `torch.empty_like(x, dtype=t.dtype)`, the layout the
-    ops' fake implementations give: t itself where it already has it (no allocation)."""
-    if t.stride() == x.stride() or t.stride() == torch.empty_like(x, dtype=t.dtype, device="meta").stride():
-        return t
-    return torch.empty_like(x, dtype=t.dtype).copy_(t)
+def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compiled_quantize` of contiguous x (or a copy) in x's shape: (data, scale bytes)."""
+    layout, view = _layout_view(x.contiguous(), axis)
+    data, scale = compiled_quantize(elem_format(elem), scale_mode_named(scale_mode), block_size, layout)(view)
+    scale_shape = list(x.shape)
+    scale_shape[axis] //= block_size
+    return data.view(x.shape), scale.view(scale_shape)
+
+
+def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """`compiled_rounding` of contiguous x (or a copy) in x's shape, as `dtype`."""
+    layout, view = _layout_view(x.contiguous(), axis)
+    return compiled_rounding(elem_format(elem), scale_mode_named(scale_mode), block_size, layout, dtype)(view).view(x.shape)
 
 
 def quantize_cpu(
@@ -211,17 +221,11 @@ def quantize_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mxcompile::quantize` on CPU (see the module docstring); the outputs in the fake
     implementation's layouts."""
-    axis %= x.ndim
+    axis = check_quantizable(x, axis, block_size)
     if not runs_compiled(x):
         return quantize_reference(x, axis, elem, scale_mode, block_size)
-    if _is_transposed_contiguous(x):
-        data, scale = quantize_cpu(x.mT, _swap_last_two(axis, x.ndim), elem, scale_mode, block_size)
-        return data.mT, scale.mT.contiguous()
-    layout, view = _layout_view(x.contiguous(), axis)
-    data, scale = compiled_quantize(elem_format(elem), scale_mode_named(scale_mode), block_size, layout)(view)
-    scale_shape = list(x.shape)
-    scale_shape[axis] //= block_size
-    return _laid_out_like(x, data.view(x.shape)), scale.view(scale_shape)
+    data, scale = _in_memory_order(_quantized, x, axis, elem, scale_mode, block_size)
+    return in_layout_of(x, data), scale.contiguous()
 
 
 def dequantize_cpu(
@@ -242,21 +246,17 @@ def fake_quantized(
     """dequantize(quantize(x)) as `dtype` by the compiled rounding, for a CPU operand that
     `runs_compiled`: contiguous, or the transpose of a contiguous tensor where x is one (rounded
     in its memory order), whatever x's own strides."""
-    axis %= x.ndim
-    if _is_transposed_contiguous(x):
-        return fake_quantized(x.mT, _swap_last_two(axis, x.ndim), elem, scale_mode, block_size, dtype).mT
-    layout, view = _layout_view(x.contiguous(), axis)
-    rounded = compiled_rounding(elem_format(elem), scale_mode_named(scale_mode), block_size, layout, dtype)(view)
-    return rounded.view(x.shape)
+    return _in_memory_order(_rounded, x, axis, elem, scale_mode, block_size, dtype)
 
 
 def fake_quantize_cpu(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """`mxcompile::fake_quantize` on CPU (see the module docstring); the result in x's layout."""
+    axis = check_quantizable(x, axis, block_size)
     if not runs_compiled(x):
         return fake_quantize_reference(x, axis, elem, scale_mode, block_size, dtype)
-    return _laid_out_like(x, fake_quantized(x, axis, elem, scale_mode, block_size, dtype))
+    return in_layout_of(x, fake_quantized(x, axis, elem, scale_mode, block_size, dtype))
 
 
 quantize_op.register_kernel("cpu")(quantize_cpu)

@@ -110,11 +110,13 @@ def triton_quantize_unsupported(x: torch.Tensor, elem: str, block_size: int) -> 
     return None if ok else why
 
 
-def _in_layout(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """t in the memory layout the fake implementation gives (that of `like`)."""
-    if t.stride() == like.stride():
+def in_layout_of(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t (of x's shape) in the layout of `torch.empty_like(x, dtype=t.dtype)`, the layout the
+    ops' fake implementations give: t itself where it already has it (nothing allocated), else
+    a copy."""
+    if t.stride() == x.stride() or t.stride() == torch.empty_like(x, dtype=t.dtype, device="meta").stride():
         return t
-    return like.copy_(t)
+    return torch.empty_like(x, dtype=t.dtype).copy_(t)
 
 
 def quantize_with_triton(
@@ -161,8 +163,7 @@ def quantize_cuda(
         _log.debug("mxcompile::quantize: torch reference, not the Triton kernel: %s", reason)
         return quantize_reference(x, axis, elem, scale_mode, block_size)
     data, scale = quantize_with_triton(x, axis, elem, scale_mode, block_size)
-    out, _ = _quantize_fake(x, axis, elem, scale_mode, block_size)
-    return _in_layout(out, data), scale
+    return in_layout_of(x, data), scale
 
 
 @torch.library.custom_op("mxcompile::dequantize", mutates_args=())
@@ -201,7 +202,7 @@ def fake_quantize_reference(
 ) -> torch.Tensor:
     """The torch implementation of `mxcompile::fake_quantize` (the numerics core)."""
     rounded = fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
-    return _in_layout(torch.empty_like(x, dtype=dtype), rounded.to(dtype))
+    return in_layout_of(x, rounded.to(dtype))
 
 
 @fake_quantize_op.register_fake

@@ -59,6 +59,16 @@ def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch):
         assert _same_bits(data, want_data), case
         assert _same_values(FAKE_QUANTIZE(operand, axis, elem, scale_mode.value, 32, torch.float32), want), case
         assert _same_values(DEQUANTIZE(data, scale, axis, 32, torch.float32), want), case
+    # A transposed-contiguous operand (a linear layer's weight as its GEMM sees it) is taken in
+    # its memory order (the ROWS graph above), its outputs in the layouts the fakes give.
+    weight_t = x.t().contiguous().t()
+    want_data, want_scale = quantize_along(weight_t, 0, fmt, ScaleMode.RCEIL, 32)
+    data, scale = QUANTIZE(weight_t, 0, elem, "rceil", 32)
+    assert data.stride() == weight_t.stride() and scale.is_contiguous()
+    assert _same_bits(data, want_data) and _same_bits(scale, want_scale)
+    fake = FAKE_QUANTIZE(weight_t, 0, elem, "rceil", 32, torch.float32)
+    assert fake.stride() == weight_t.stride()
+    assert _same_values(fake, dequantize_along(want_data, want_scale, 0, 32, torch.float32))
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
@@ -148,6 +158,8 @@ def test_ops_fake_implementations_match_the_real_ones():
     x = torch.randn(64, 96)
     for args in ((x, 0, "e4m3", "rceil", 32), (x, 1, "e5m2", "floor", 32), (x.t(), 0, "e4m3", "even", 32)):
         torch.library.opcheck(torch.ops.mxcompile.quantize, args)
+    for args in ((x, 0, "e4m3", "rceil", 32, torch.bfloat16), (x.t(), 0, "e5m2", "floor", 32, torch.float32)):
+        torch.library.opcheck(torch.ops.mxcompile.fake_quantize, args)
     data, scale = torch.ops.mxcompile.quantize(x, 0, "e4m3", "rceil", 32)
     torch.library.opcheck(torch.ops.mxcompile.dequantize, (data, scale, 0, 32, torch.bfloat16),
                           test_utils=FP8_INPUT_CHECKS)
@@ -221,3 +233,17 @@ def test_cpu_kernels_run_eagerly_while_fx_traces():
     want_data, want_scale = quantize_along(x, 0, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
     data, scale = traced(x)
     assert _same_bits(data, want_data) and _same_bits(scale, want_scale)
+
+
+@pytest.mark.parametrize("size", [64, 4096], ids=["reference", "compiled"])
+def test_cpu_kernels_name_a_length_that_is_not_a_multiple_of_the_block_size(size):
+    """Called directly (torch.ops.mxcompile.*), the ops' CPU kernels say which axis to pad, on
+    operands small enough for the reference and large enough for a compiled graph alike."""
+    from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL
+
+    x = torch.randn(size, 48)
+    assert (x.numel() >= COMPILED_MIN_NUMEL) == (size == 4096)
+    with pytest.raises(ValueError, match=r"x.shape\[1\]=48 .* not divisible by block_size=32; pad that axis"):
+        QUANTIZE(x, -1, "e4m3", "rceil", 32)
+    with pytest.raises(ValueError, match=r"x.shape\[1\]=48 .* not divisible by block_size=32; pad that axis"):
+        FAKE_QUANTIZE(x, -1, "e4m3", "rceil", 32, torch.float32)
