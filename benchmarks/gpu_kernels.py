@@ -129,14 +129,22 @@ def check(device: torch.device) -> bool:
         a, sa, b, sb, 32, torch.float32, ("bias", "gelu_tanh", "residual"), bias=bias, residual=res
     )
     dev = [t.to(device) for t in (a, sa, b, sb, bias, res)]
-    for path in ("dot_scaled", "hopper"):
+    # The TMA variant (operand tiles through tensor descriptors) where the GPU has TMA (sm90+)
+    # and under the interpreter, with B both row-major and as a transposed row-major (N, K)
+    # tensor (a linear layer's weight).
+    has_tma = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    b_nk = dev[2].t().contiguous().t()
+    variants = [("dot_scaled", False, dev[2]), ("hopper", False, dev[2])]
+    variants += [("dot_scaled", True, dev[2]), ("dot_scaled", True, b_nk)] if has_tma else []
+    for path, tma, b_dev in variants:
         c = mx_mm_triton(
-            *dev[:4], 32, torch.float32, ("bias", "gelu_tanh", "residual"),
-            bias=dev[4], residual=dev[5], path=path,
+            dev[0], dev[1], b_dev, dev[3], 32, torch.float32, ("bias", "gelu_tanh", "residual"),
+            bias=dev[4], residual=dev[5], path=path, tma=tma,
         )  # fmt: skip
         err = (c.cpu() - ref).abs().max().item()
+        label = f"{path}{', TMA, B ' + ('(N, K)' if b_dev.stride(0) == 1 else '(K, N)') if tma else ''}"
         report(
-            f"mx_mm {path:10s} fp32 out + epilogue",
+            f"mx_mm {label:28s} fp32 out + epilogue",
             err <= 1e-4 * ref.abs().max().item(),
             f"max|err|={err:.3g}",
         )
@@ -187,7 +195,7 @@ def bench_quantize(device: torch.device, sizes: list[int], reps: int) -> None:
 
 def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
     print("\nGEMM TFLOP/s (bf16 out)")
-    cols = ["mx dot_scaled", "mx hopper", "mm bf16", "_scaled_mm fp8 rowwise"]
+    cols = ["mx dot_scaled", "mx dot_scaled TMA", "mx hopper", "mm bf16", "_scaled_mm fp8 rowwise"]
     print(f"{'M=N=K':>7} " + " ".join(f"{c:>22}" for c in cols))
     for s in sizes:
         m = n = k = s
@@ -197,11 +205,12 @@ def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
         b, sb = quantize_mx_triton(xb, 0)
         flops = 2 * m * n * k
         row = []
-        for path in ("dot_scaled", "hopper"):
+        for path, tma in (("dot_scaled", False), ("dot_scaled", True), ("hopper", False)):
             try:
                 t = bench(
-                    lambda: mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, path=path), device, reps
-                )
+                    lambda: mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, path=path, tma=tma),
+                    device, reps,
+                )  # fmt: skip
                 row.append(_rate(flops / t / 1e9, 22))
             except Exception as exc:  # a path the GPU cannot compile
                 row.append(f"{'failed: ' + type(exc).__name__:>22}")
@@ -322,9 +331,11 @@ def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
                                  mx_qk=True, mx_pv=True, block_size=32, interpret=False)
     # (label, config, launcher taking tiles= and wrap=)
     launches: list[tuple[str, object, Callable[..., object]]] = []
-    paths = [("dot_scaled", True)] + ([("hopper", False)] if capability < 100 else [])
-    for path, dot_scaled in paths:
-        launch = functools.partial(gemm, use_dot_scaled=dot_scaled)
+    # (label, use_dot_scaled, use_tma): TMA where mx_mm_triton takes it by default (sm100+).
+    paths = [("dot_scaled", True, False)]
+    paths += [("dot_scaled, TMA", True, True)] if capability >= 100 else [("hopper", False, False)]
+    for path, dot_scaled, tma in paths:
+        launch = functools.partial(gemm, use_dot_scaled=dot_scaled, use_tma=tma)
         launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs()]
     launches += [("mx_attention_fwd_kernel", c, forward) for c in attention_autotune_configs()]
     for name in ("dkdv", "dq"):

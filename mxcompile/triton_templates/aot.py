@@ -45,9 +45,11 @@ def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict
     """(signature, constexprs, attrs) as a real launch computes them: Triton's own argument
     specialisation (`native_specialize_impl`, the function `JITFunction.run` calls) marks
     integers equal to 1 as constants and pointers and integers divisible by 16 with
-    `tt.divisibility = 16` (meta tensors stand for allocations, which are 16-byte aligned)."""
+    `tt.divisibility = 16` (meta tensors stand for allocations, which are 16-byte aligned);
+    tensor descriptors are typed by element type and box (`tensordesc<fp8e4nv[128, 128]>`)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     names = list(kernel.arg_names)
     values = dict(zip(names, args, strict=False))
@@ -61,7 +63,7 @@ def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict
         if name in constexpr_names:
             signature[name], constexprs[name] = "constexpr", value
             continue
-        if not isinstance(value, (torch.Tensor, bool, int, float)):
+        if not isinstance(value, (torch.Tensor, TensorDescriptor, bool, int, float)):
             raise TypeError(f"argument {name}={value!r}: no Triton type for it")
         kind, key = native_specialize_impl(CUDABackend, value, False, True, True)
         signature[name] = kind

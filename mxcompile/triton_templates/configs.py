@@ -46,11 +46,30 @@ def quantize_autotune_configs() -> list[triton.Config]:
     ]
 
 
+def tma_boxes(block_m: int, block_n: int, block_k: int, b_transposed: bool) -> tuple[list[int], list[int]]:
+    """The MX GEMM's TMA boxes for its tiles: A's (BLOCK_M, BLOCK_K), and B's (BLOCK_K, BLOCK_N),
+    or (BLOCK_N, BLOCK_K) when its descriptor covers B's memory as (N, K)."""
+    return [block_m, block_k], ([block_n, block_k] if b_transposed else [block_k, block_n])
+
+
+def set_tma_boxes(nargs: dict[str, Any]) -> None:
+    """Autotune pre-hook of the MX GEMM: a host-side tensor descriptor's box is fixed when the
+    launcher builds it, before the autotuner picks a config, so each config resizes the boxes
+    to its tiles before it runs (no-op without USE_TMA)."""
+    if not nargs.get("USE_TMA"):
+        return
+    a_box, b_box = tma_boxes(nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"], nargs["B_DESC_TRANSPOSED"])
+    nargs["a_desc"].block_shape = a_box
+    nargs["b_desc"].block_shape = b_box
+
+
 def mx_mm_autotune_configs() -> list[triton.Config]:
-    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list)."""
+    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list), each with
+    the pre-hook that sizes the TMA boxes (`set_tma_boxes`)."""
     return [
         triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,
+            pre_hook=set_tma_boxes,
         )
         for bm, bn, bk, s, w in [
             (128, 256, 128, 3, 8),

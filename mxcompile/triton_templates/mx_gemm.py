@@ -22,6 +22,13 @@ Epilogue ops (applied in the order given, in fp32, before the cast to the output
 After the cast, QUANTIZE_OUT MX-quantizes the (cast) output along its last axis, bit-exactly as
 `mxcompile.numerics.quantize_along(c, 1, ...)` would quantize the stored C.
 
+TMA (`USE_TMA`, dot_scaled path): the FP8 operand tiles are read through host-side tensor
+descriptors (`triton.tools.tensor_descriptor.TensorDescriptor`), so the tensor memory
+accelerator copies whole tiles into shared memory (the way the Triton block-scaled matmul
+tutorial feeds sm100's block-scaled MMA); the scales keep pointer loads (a tile's scales are
+BLOCK_K / 32 bytes wide, under TMA's 16-byte minimum box width). `tma_unsupported` gives the
+layouts a descriptor cannot describe; `mx_mm_triton` uses TMA on sm100+ where it can.
+
 Reference: `mx_mm_reference` (numerics-core dequantize, fp32 matmul, torch epilogue).
 """
 
@@ -37,11 +44,14 @@ import torch.nn.functional as F
 from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along
 from .common import check_cast
-from .configs import autotuned, interpreter_mx_mm_config, mx_mm_autotune_configs
+from .configs import autotuned, interpreter_mx_mm_config, mx_mm_autotune_configs, tma_boxes
 from .loader import kernel_module
 
 EPILOGUE_OPS: tuple[str, ...] = ("bias", "gelu_tanh", "gelu_erf", "silu", "mul", "residual")
 ACTIVATIONS = ("gelu_tanh", "gelu_erf", "silu")
+# A TMA descriptor's base address and every stride but the innermost (which must be 1) are
+# multiples of 16 bytes (CUDA's cuTensorMapEncodeTiled; Triton's TensorDescriptor checks it).
+TMA_ALIGNMENT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,37 @@ def check_epilogue(epilogue: tuple[str, ...] | list[str] | str | None) -> tuple[
     return ops
 
 
+def _b_descriptor_transposed(b: torch.Tensor) -> bool:
+    """Whether B's TMA descriptor covers its memory as (N, K): B (K, N) is contiguous along K
+    (the transpose of a row-major (N, K) tensor, as a linear layer's weight is)."""
+    return b.stride(0) == 1 and b.shape[0] > 1
+
+
+def tma_unsupported(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the FP8 operands A (M, K) and B (K, N) cannot be read through TMA descriptors, or
+    None: each needs a unit stride along one axis and the other stride, in bytes, and its
+    address aligned to TMA_ALIGNMENT_BYTES."""
+    b_memory = b.t() if _b_descriptor_transposed(b) else b
+    for name, t in (("a", a), ("b", b_memory)):
+        if t.stride(1) != 1:
+            return f"{name} has strides {tuple(t.stride())}: TMA needs one axis contiguous"
+        if (t.stride(0) * t.element_size()) % TMA_ALIGNMENT_BYTES or t.data_ptr() % TMA_ALIGNMENT_BYTES:
+            return (f"{name}'s row stride ({t.stride(0)} elements) or address is not a multiple of "
+                    f"{TMA_ALIGNMENT_BYTES} bytes")
+    return None
+
+
+def _descriptors(a: torch.Tensor, b: torch.Tensor, tiles: dict[str, int]) -> tuple[Any, Any, bool]:
+    """(A's descriptor, B's descriptor, whether B's covers (N, K)), boxes sized to `tiles`
+    (autotuned launches resize them per config: `configs.set_tma_boxes`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    transposed = _b_descriptor_transposed(b)
+    a_box, b_box = tma_boxes(tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"], transposed)
+    b_memory = b.t() if transposed else b
+    return TensorDescriptor.from_tensor(a, a_box), TensorDescriptor.from_tensor(b_memory, b_box), transposed
+
+
 @functools.cache
 def _autotuned(block_size: int) -> Any:
     configs = [
@@ -101,7 +142,8 @@ def _autotuned(block_size: int) -> Any:
     if not configs:
         raise ValueError(f"no MX GEMM tile config fits block_size={block_size}")
     kernel = kernel_module("mx_gemm", interpret=False).mx_mm_kernel
-    specialisation = [*MXMMKey().meta(), "USE_DOT_SCALED", "STORE_C", "QUANTIZE_OUT"]
+    specialisation = [*MXMMKey().meta(), "USE_DOT_SCALED", "USE_TMA", "B_DESC_TRANSPOSED", "STORE_C",
+                      "QUANTIZE_OUT"]
     return autotuned(kernel, configs, ["M", "N", "K", *specialisation])
 
 
@@ -115,6 +157,7 @@ def mx_mm_launch(
     out_dtype: torch.dtype,
     key: MXMMKey,
     use_dot_scaled: bool,
+    use_tma: bool = False,
     store_c: bool = True,
     quantize_out: bool = False,
     bias: torch.Tensor | None = None,
@@ -145,6 +188,12 @@ def mx_mm_launch(
     def strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
         return tuple(t.stride()) if t is not None else (0,) * ndim
 
+    autotune = tiles is None and not interpret
+    a_desc = b_desc = dummy
+    b_transposed = False
+    if use_tma:  # boxes of the first config until the autotuner sizes them to each config's tiles
+        box_tiles = mx_mm_autotune_configs()[0].kwargs if autotune else (tiles or interpreter_mx_mm_config())
+        a_desc, b_desc, b_transposed = _descriptors(a, b, box_tiles)
     args = (
         a, a_scale, b, b_scale, c_arg,
         bias if bias is not None else dummy,
@@ -152,6 +201,7 @@ def mx_mm_launch(
         residual if residual is not None else dummy,
         q_data.view(torch.uint8) if q_data is not None else dummy,
         q_scale if q_scale is not None else dummy,
+        a_desc, b_desc,
         m, n, k,
         *a.stride(), *a_scale.stride(), *b.stride(), *b_scale.stride(),
         *(c.stride() if c is not None else (0, 0)),
@@ -160,6 +210,8 @@ def mx_mm_launch(
     meta = {
         **key.meta(),
         "USE_DOT_SCALED": use_dot_scaled,
+        "USE_TMA": use_tma,
+        "B_DESC_TRANSPOSED": b_transposed,
         "STORE_C": store_c,
         "QUANTIZE_OUT": quantize_out,
         "SCALE_BLOCK": block_size,
@@ -170,7 +222,7 @@ def mx_mm_launch(
 
     if m == 0 or n == 0:  # nothing to compute; Triton rejects an empty grid
         return c, q_data, q_scale
-    if tiles is None and not interpret:
+    if autotune:
         kernel = _autotuned(block_size)
     else:
         kernel = kernel_module("mx_gemm", interpret=interpret).mx_mm_kernel

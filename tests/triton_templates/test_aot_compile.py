@@ -120,6 +120,28 @@ def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
 
 
 @pytest.mark.slow
+def test_gemm_with_tma_compiles_sm100() -> None:
+    """With USE_TMA the K loop copies A's and B's tiles with TMA (`cp.async.bulk.tensor`) into
+    multi-buffered shared memory for sm100's block-scaled MMA; B is a linear layer's weight,
+    the transpose of a row-major (N, K) tensor. Only the scales keep `cp.async`."""
+    m = n = k = 4096
+    a, b = _empty(m, k, dtype=torch.float8_e4m3fn), _empty(n, k, dtype=torch.float8_e4m3fn).t()
+    sa, sb = _empty(m, k // 32, dtype=torch.uint8), _empty(k // 32, n, dtype=torch.uint8)
+    (kernel,) = compile_launch(
+        lambda wrap: mx_mm_launch(
+            a, sa, b, sb, block_size=32, out_dtype=torch.bfloat16, key=MXMMKey(),
+            use_dot_scaled=True, use_tma=True,
+            tiles={"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8},
+            interpret=False, wrap=wrap,
+        ),  # fmt: skip
+        100,
+    )
+    assert "tcgen05.mma" in kernel.asm["ptx"]
+    report = pipeline_report(kernel)
+    assert report.tma_copies > 0 and report.pipelined and report.buffers >= 2, report
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", [90, 100])
 def test_attention_compiles(capability: int) -> None:
     heads, s, d = 8, 1024, 64

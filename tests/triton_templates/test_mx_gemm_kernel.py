@@ -71,6 +71,31 @@ def test_ragged_m_n_k_tiles(path: str) -> None:
     _check(c, mx_mm_reference(a, sa, b, sb, 32, torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("b_layout", ["(K, N)", "(N, K)"])
+def test_tma_operand_tiles_give_the_pointer_loads_bits(b_layout: str) -> None:
+    """The dot_scaled path reading A and B through TMA descriptors (boxes of the tiles, zero
+    fill past the edges) computes the same bits as its masked pointer loads: M, N not multiples
+    of the tile, K of BLOCK_K; B row-major or the transpose of a row-major (N, K) weight."""
+    a, sa, b, sb, _ = _operands(40, 80, 96)
+    if b_layout == "(N, K)":
+        b = b.t().contiguous().t()
+    kwargs = {"path": "dot_scaled", "tiles": SMALL_TILES, "epilogue": ("silu",)}
+    c_tma = mx_mm_triton(a, sa, b, sb, 32, torch.float32, tma=True, **kwargs)
+    c_ptr = mx_mm_triton(a, sa, b, sb, 32, torch.float32, tma=False, **kwargs)
+    assert torch.equal(c_tma, c_ptr)
+    ref = mx_mm_reference(a, sa, b, sb, 32, torch.float32, ("silu",))
+    _check(c_tma, ref, torch.float32)
+
+
+def test_tma_refusals_name_the_cause() -> None:
+    a, sa, b, sb, _ = _operands(32, 72, 64)
+    with pytest.raises(ValueError, match="dot_scaled path only"):
+        mx_mm_triton(a, sa, b, sb, path="hopper", tma=True)
+    with pytest.raises(ValueError, match="72 elements.*16 bytes"):  # B's rows: 72 bytes apart
+        mx_mm_triton(a, sa, b, sb, tma=True)
+    assert torch.equal(mx_mm_triton(a, sa, b, sb, tma=None), mx_mm_triton(a, sa, b, sb, tma=False))
+
+
 EPILOGUES = [
     ("bias",),
     ("gelu_tanh",),

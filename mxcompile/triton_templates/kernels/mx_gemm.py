@@ -61,11 +61,34 @@ def _apply_epilogue_op(
 
 
 @triton.jit
+def _operand_tiles(
+    a_ptr, b_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+):  # fmt: skip
+    """The A tile (rows offs_m, columns offs_k) and the B tile (rows offs_k, columns offs_n)
+    by masked pointer loads; elements outside the operands read as 0."""
+    mask_k = offs_k < K
+    a = tl.load(
+        a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+        mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+    )
+    b = tl.load(
+        b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+        mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+    )
+    return a, b
+
+
+@triton.jit
 def mx_mm_kernel(
     # Pointers: FP8 operands and their uint8 E8M0 scales; the output C; epilogue operands;
     # the MX-quantized output (FP8 data as uint8, contiguous; uint8 scales, contiguous).
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
     bias_ptr, mul_ptr, residual_ptr, q_data_ptr, q_scale_ptr,
+    # With USE_TMA, tensor descriptors of the FP8 operands, read instead of a_ptr and b_ptr:
+    # A (M, K) in (BLOCK_M, BLOCK_K) boxes; B (K, N) in (BLOCK_K, BLOCK_N) boxes, or, with
+    # B_DESC_TRANSPOSED, B's memory as (N, K) (a linear layer's weight) in (BLOCK_N, BLOCK_K).
+    a_desc, b_desc,
     # Sizes
     M, N, K,
     # Strides (elements)
@@ -81,6 +104,8 @@ def mx_mm_kernel(
     OUT_SCALE_MODE: tl.constexpr,
     CAST: tl.constexpr,
     USE_DOT_SCALED: tl.constexpr,  # True: tl.dot_scaled; False: FP8 tl.dot per scale block
+    USE_TMA: tl.constexpr,  # dot_scaled path: operand tiles through a_desc / b_desc (TMA)
+    B_DESC_TRANSPOSED: tl.constexpr,
     STORE_C: tl.constexpr,  # store C in c_ptr's dtype
     QUANTIZE_OUT: tl.constexpr,  # store C MX-quantized along N (needs BLOCK_N % SCALE_BLOCK == 0)
     SCALE_BLOCK: tl.constexpr,
@@ -110,16 +135,19 @@ def mx_mm_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if USE_DOT_SCALED:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(
-                a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-            )
-            b = tl.load(
-                b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-            )
+            if USE_TMA:
+                # Whole tiles copied by the tensor memory accelerator; elements outside the
+                # operand read as 0, as the masked loads below give them.
+                a = a_desc.load([(pid_m * BLOCK_M).to(tl.int32), k0])
+                if B_DESC_TRANSPOSED:
+                    b = b_desc.load([(pid_n * BLOCK_N).to(tl.int32), k0]).T
+                else:
+                    b = b_desc.load([k0, (pid_n * BLOCK_N).to(tl.int32)])
+            else:
+                a, b = _operand_tiles(
+                    a_ptr, b_ptr, offs_m, offs_n, k0 + tl.arange(0, BLOCK_K), mask_m, mask_n, K,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                )  # fmt: skip
             offs_kb = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
             mask_kb = offs_kb < k_blocks
             a_scale = tl.load(
@@ -134,16 +162,10 @@ def mx_mm_kernel(
             acc = tl.dot_scaled(a, a_scale, A_ELEM, b, b_scale, B_ELEM, acc)
         else:
             for kk in tl.static_range(0, BLOCK_K, SCALE_BLOCK):
-                offs_k = k0 + kk + tl.arange(0, SCALE_BLOCK)
-                mask_k = offs_k < K
-                a = tl.load(
-                    a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-                )
-                b = tl.load(
-                    b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-                )
+                a, b = _operand_tiles(
+                    a_ptr, b_ptr, offs_m, offs_n, k0 + kk + tl.arange(0, SCALE_BLOCK), mask_m, mask_n, K,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                )  # fmt: skip
                 kb = (k0 + kk) // SCALE_BLOCK
                 # The block index as vectors (the interpreter rejects a scalar term in a mask).
                 kb_m = offs_m * 0 + kb
