@@ -272,7 +272,7 @@ def attention_forward_impl(
         new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
         # Both exponents are integers (or -inf), so the rescale is an exact power of two.
         alpha = torch.exp2(old - new_safe)
-        p = torch.exp2(s2 - new_safe)
+        p = s2.sub_(new_safe).exp2_()  # in S's buffer (S is not used again)
         row_sum[..., q_lo:, :].mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
         pv = torch.matmul(ops.pv(p, -1, forward_elem), vf[..., k_lo:k_hi, :])
         acc[..., q_lo:, :].mul_(alpha).add_(pv)
@@ -302,16 +302,18 @@ def attention_backward_impl(
     ops = _Operands(options.attention_mode, options.scale_mode, options.block_size)
     is_causal, scale, key_tile = options.is_causal, options.scale, options.key_tile
     forward_elem, grad_elem = options.forward_elem, options.grad_elem
-    q5 = _grouped(q, kv_heads)
-    do5 = _grouped(grad_out, kv_heads)
+    # Q, K and dO are each rounded along two axes: converted to fp32 once (exact), not per use.
+    q5 = _grouped(q, kv_heads).float()
+    k4 = k.unsqueeze(2).float()
+    do5 = _grouped(grad_out, kv_heads).float()
     q_d = ops.qk(q5, -1, forward_elem)  # S = Q·Kᵀ: along head_dim
-    k_d = ops.qk(k.unsqueeze(2), -1, forward_elem)
+    k_d = ops.qk(k4, -1, forward_elem)
     q_t = ops.qk(q5, -2, forward_elem)  # dK = dSᵀ·Q: along queries
-    k_t = ops.qk(k.unsqueeze(2), -2, forward_elem)  # dQ = dS·K: along keys
+    k_t = ops.qk(k4, -2, forward_elem)  # dQ = dS·K: along keys
     v_d = ops.pv(v.unsqueeze(2), -1, forward_elem)  # dP = dO·Vᵀ: along dv
     do_d = ops.pv(do5, -1, grad_elem)
     do_t = ops.pv(do5, -2, grad_elem)  # dV = Pᵀ·dO: along queries
-    delta = (do5.float() * _grouped(out, kv_heads).float()).sum(dim=-1, keepdim=True)
+    delta = (do5 * _grouped(out, kv_heads).float()).sum(dim=-1, keepdim=True)
     lse2 = _grouped(lse.unsqueeze(-1), kv_heads) * _LOG2E
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
     dq = torch.zeros(q_d.shape, device=q.device)
@@ -320,7 +322,7 @@ def attention_backward_impl(
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
         k_hi = min(k_lo + key_tile, k_len)
         s2 = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
-        p = torch.exp2(s2.sub_(lse2[..., q_lo:, :]))  # normalized probabilities
+        p = s2.sub_(lse2[..., q_lo:, :]).exp2_()  # normalized probabilities, in S's buffer
         # Pᵀ and dSᵀ along their contraction axis: P and dS along the queries, transposed.
         dv_tile = torch.matmul(ops.pv(p, -2, forward_elem).transpose(-1, -2), do_t[..., q_lo:, :])
         dv[:, :, k_lo:k_hi] = dv_tile.sum(dim=2)
