@@ -97,8 +97,13 @@ def attention_op(
 # A chunk the rewrite lets the torch implementation run at once, when no memory budget asks
 # for the least scratch: whole batch elements, at most this many query elements in all (or one
 # element). The implementation's ~40 ops per key tile then serve several elements, and its
-# scratch, up to ~33 fp32 copies of a chunk's query (`cost.graph_costs`), stays under ~130 MiB.
-ATTENTION_CHUNK_QUERY_NUMEL = 1 << 20
+# scratch, up to ~33 fp32 copies of a chunk's query (`cost.graph_costs`), stays under ~65 MiB.
+# Measured on the 2-core CPU (2026-12-06, causal, bf16, 8 heads of 64, key tile 128, forward +
+# backward, medians of 10-12 interleaved repeats): 2**19 beats 2**20 where they differ, since
+# the score tiles' eager passes then stay near the caches (batch 8, sequence 256: 58.9 ms at
+# 4 elements per chunk against 71.0 ms at 8; sequence 1024, batch 4: 305 ms at 1 against 330
+# at 4; chunks of 2 measured within 5% of the chosen sizes).
+ATTENTION_CHUNK_QUERY_NUMEL = 1 << 19
 
 
 def batch_chunk_for(batch: int, element_numel: int) -> int:
