@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mxcompile.attention import mx_attention
-from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL
+from mxcompile.ops.cpu_kernels import COMPILE_MIN_NUMEL
 
 VARIANTS = ("sdpa", "mx", "mx_fp32", "math")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -88,10 +88,11 @@ def measure_peak(variant: str, batch: int, heads: int, seq: int, width: int, cau
     small = make_inputs(1, 1, 64, width)
     fwd_bwd(fn, *small, causal)  # first-call costs (lazy init, kernels) outside the measurement
     if variant == "mx":
-        # MX attention rounds CPU operands of COMPILED_MIN_NUMEL elements or more with
-        # a compiled graph (dynamic sizes, so one graph serves every length): compile it here,
-        # on one head just that large, so that compile memory stays out of the measurement.
-        warm_len = max(64, COMPILED_MIN_NUMEL // width)
+        # MX attention rounds large CPU operands with a compiled graph (dynamic sizes, so one
+        # graph serves every length), compiled by the first operand of COMPILE_MIN_NUMEL
+        # elements: compile it here, on one head just that large, so that compile memory stays
+        # out of the measurement.
+        warm_len = max(64, COMPILE_MIN_NUMEL // width)
         fwd_bwd(fn, *make_inputs(1, 1, warm_len, width), causal)
     baseline = _rss()
     peak = baseline

@@ -158,9 +158,11 @@ def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_si
     other dtypes (bf16 Q, K, V, dO) are converted to fp32 first (exact): the fp32 graphs of the
     score tiles then serve them too, two compiled graphs fewer on a cold cache (about 3 s each
     on the 2-core CPU) for one vectorized conversion pass."""
-    if not runs_compiled(x):
-        return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
-    return fake_quantized(x.detach().float(), axis, elem, scale_mode, block_size, torch.float32)
+    if runs_compiled(x):
+        rounded = fake_quantized(x.detach().float(), axis, elem, scale_mode, block_size, torch.float32)
+        if rounded is not None:
+            return rounded
+    return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
 
 
 class _Operands:

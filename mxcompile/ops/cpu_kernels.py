@@ -5,11 +5,12 @@
     mxcompile::fake_quantize  `fake_quantize_cpu`  (x -> dequantize(quantize(x)) as dtype)
 
 Each runs one compiled graph per (element format, scale mode, block size, block layout,
-dtypes) for operands of COMPILED_MIN_NUMEL elements or more: the op's Inductor form
-(`ops.quantize`, bit-identical to the numerics core) on a contiguous view of the operand's
-blocks, with the block grid's sizes dynamic, so one graph serves every shape. The graphs are
-saved under the Inductor cache directory and later processes load them (`ops.precompiled`).
-Smaller operands run the torch reference: the same values.
+dtypes): the op's Inductor form (`ops.quantize`, bit-identical to the numerics core) on a
+contiguous view of the operand's blocks, with the block grid's sizes dynamic, so one graph
+serves every shape. The graphs are saved under the Inductor cache directory and later
+processes load them (`ops.precompiled`). An operand of COMPILE_MIN_NUMEL elements or more
+compiles the graph it needs; one of COMPILED_MIN_NUMEL or more runs a graph already at hand;
+the others run the torch reference: the same values.
 
 Why the CPU lowering keeps these ops opaque rather than inlining their Inductor forms into each
 graph: Inductor then generated and compiled a quantize loop body per GEMM operand, specialized
@@ -59,6 +60,16 @@ from .quantize import (
 # compiles more graphs first (the demo's whole run 40.6 s at 2**16, 54.1 s at 2**12, the test
 # suite 11 -> 15 min): kept at 2**16, where real models' operands lie.
 COMPILED_MIN_NUMEL = 1 << 16
+# Compiling a graph costs about 3 s on a cold cache (2-core CPU) and saves about 0.5 ms per
+# call of an operand of 2**16 elements: worth it for a long run, not for a short one. So only
+# operands of COMPILE_MIN_NUMEL elements or more compile the graph they need; smaller ones
+# (from COMPILED_MIN_NUMEL) run a graph that is at hand (compiled for a larger operand of the
+# same kind, or saved by an earlier process) and the reference otherwise. The demo's tiny GPT
+# (operands of at most 2**17 elements) compiled six graphs for a few logits-gradient and
+# attention-tile operands: its first MX step took 29.7 s, 10.5 s without them (Inductor's:
+# 7.0 s), its median step unchanged (46.6 vs 46.0 ms); the d512 benchmark models' operands all
+# have 2**18 elements or more.
+COMPILE_MIN_NUMEL = 1 << 18
 
 
 class BlockLayout(enum.Enum):
@@ -112,6 +123,11 @@ def _precompiled(fn: Callable[..., object], name: str, layout: BlockLayout, *par
                        globals_=globals())
 
 
+def _at_hand_or_worth_compiling(compiled: Precompiled, *blocks: torch.Tensor) -> bool:
+    """Whether to run `compiled` on `blocks` (see COMPILE_MIN_NUMEL)."""
+    return blocks[0].numel() >= COMPILE_MIN_NUMEL or compiled.available(*(b.dtype for b in blocks))
+
+
 def _run(compiled: Precompiled, *blocks: torch.Tensor):
     # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
     # torch.library kernels run below ADInplaceOrView when called through the op and above it
@@ -124,9 +140,10 @@ def _run(compiled: Precompiled, *blocks: torch.Tensor):
 @functools.cache
 def compiled_rounding(
     fmt: ElemFormat, mode: ScaleMode, block_size: int, layout: BlockLayout, out_dtype: torch.dtype
-) -> Callable[[torch.Tensor], torch.Tensor]:
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """`fake_quantize_along` compiled, without autograd, for a contiguous input in `layout`
-    (the length a multiple of block_size), its result as `out_dtype`.
+    (the length a multiple of block_size), its result as `out_dtype`; None where the operand
+    is too small to compile the graph and none is at hand (COMPILE_MIN_NUMEL).
 
     The compiled graph takes its input split into blocks and stores each block's scale once
     (`ops.quantize.inductor_realized`). Inductor then computes the scales in a vectorized loop
@@ -141,8 +158,11 @@ def compiled_rounding(
 
     compiled = _precompiled(blocks_rounded, "rounding", layout, fmt.name, mode.value, block_size, str(out_dtype))
 
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        return _run(compiled, _blocks(x, layout, block_size)).view(x.shape)
+    def rounded(x: torch.Tensor) -> torch.Tensor | None:
+        blocks = _blocks(x, layout, block_size)
+        if not _at_hand_or_worth_compiling(compiled, blocks):
+            return None
+        return _run(compiled, blocks).view(x.shape)
 
     return rounded
 
@@ -150,10 +170,10 @@ def compiled_rounding(
 @functools.cache
 def compiled_quantize(
     fmt: ElemFormat, mode: ScaleMode, block_size: int, layout: BlockLayout
-) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
     """`ops.quantize`'s Inductor form compiled for a contiguous input in `layout`: (fp8 data in
     the input's shape, uint8 scale bytes: (rows, blocks) for ROWS, (batch, blocks, width) for
-    COLUMNS)."""
+    COLUMNS); None as for `compiled_rounding`."""
     block_axis = _BLOCK_AXIS[layout]
 
     def blocks_quantized(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,8 +181,11 @@ def compiled_quantize(
 
     compiled = _precompiled(blocks_quantized, "quantize", layout, fmt.name, mode.value, block_size)
 
-    def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        data, scale = _run(compiled, _blocks(x, layout, block_size))
+    def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        blocks = _blocks(x, layout, block_size)
+        if not _at_hand_or_worth_compiling(compiled, blocks):
+            return None
+        data, scale = _run(compiled, blocks)
         scale_shape = list(x.shape)
         scale_shape[1] //= block_size
         return data.view(x.shape), scale.view(scale_shape)
@@ -173,9 +196,10 @@ def compiled_quantize(
 @functools.cache
 def compiled_dequantize(
     block_size: int, layout: BlockLayout, out_dtype: torch.dtype
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """`dequantize_along` compiled (its scales stored once per block) for contiguous data in
-    `layout` and its contiguous scale bytes, the result as `out_dtype`."""
+    `layout` and its contiguous scale bytes, the result as `out_dtype`; None as for
+    `compiled_rounding`."""
     block_axis = _BLOCK_AXIS[layout]
 
     def blocks_dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -183,9 +207,11 @@ def compiled_dequantize(
 
     compiled = _precompiled(blocks_dequantized, "dequantize", layout, block_size, str(out_dtype))
 
-    def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        blocks = _blocks(data, layout, block_size)
-        return _run(compiled, blocks, _blocks(scale, layout, 1)).view(data.shape)
+    def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        blocks, scale_blocks = _blocks(data, layout, block_size), _blocks(scale, layout, 1)
+        if not _at_hand_or_worth_compiling(compiled, blocks, scale_blocks):
+            return None
+        return _run(compiled, blocks, scale_blocks).view(data.shape)
 
     return dequantized
 
@@ -200,20 +226,24 @@ def _layout_view(x: torch.Tensor, axis: int) -> tuple[BlockLayout, torch.Tensor]
 
 
 def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compiled_quantize` of contiguous x (or a copy) in x's shape: (data, scale bytes)."""
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`compiled_quantize` of contiguous x (or a copy) in x's shape: (data, scale bytes), or
+    None (no graph at hand for this operand: COMPILE_MIN_NUMEL)."""
     layout, view = _layout_view(x.contiguous(), axis)
-    data, scale = compiled_quantize(elem_format(elem), scale_mode_named(scale_mode), block_size, layout)(view)
+    out = compiled_quantize(elem_format(elem), scale_mode_named(scale_mode), block_size, layout)(view)
+    if out is None:
+        return None
     scale_shape = list(x.shape)
     scale_shape[axis] //= block_size
-    return data.view(x.shape), scale.view(scale_shape)
+    return out[0].view(x.shape), out[1].view(scale_shape)
 
 
 def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
-             dtype: torch.dtype) -> torch.Tensor:
-    """`compiled_rounding` of contiguous x (or a copy) in x's shape, as `dtype`."""
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """`compiled_rounding` of contiguous x (or a copy) in x's shape, as `dtype`, or None."""
     layout, view = _layout_view(x.contiguous(), axis)
-    return compiled_rounding(elem_format(elem), scale_mode_named(scale_mode), block_size, layout, dtype)(view).view(x.shape)
+    out = compiled_rounding(elem_format(elem), scale_mode_named(scale_mode), block_size, layout, dtype)(view)
+    return None if out is None else out.view(x.shape)
 
 
 def quantize_cpu(
@@ -222,10 +252,10 @@ def quantize_cpu(
     """`mxcompile::quantize` on CPU (see the module docstring); the outputs in the fake
     implementation's layouts."""
     axis = check_quantizable(x, axis, block_size)
-    if not runs_compiled(x):
+    out = _in_memory_order(_quantized, x, axis, elem, scale_mode, block_size) if runs_compiled(x) else None
+    if out is None:
         return quantize_reference(x, axis, elem, scale_mode, block_size)
-    data, scale = _in_memory_order(_quantized, x, axis, elem, scale_mode, block_size)
-    return in_layout_of(x, data), scale.contiguous()
+    return in_layout_of(x, out[0]), out[1].contiguous()
 
 
 def dequantize_cpu(
@@ -233,19 +263,23 @@ def dequantize_cpu(
 ) -> torch.Tensor:
     """`mxcompile::dequantize` on CPU (see the module docstring): a contiguous result."""
     axis %= data.ndim
-    if not runs_compiled(data):
+    out = None
+    if runs_compiled(data):
+        layout, view = _layout_view(data.contiguous(), axis)
+        _, scale_view = _layout_view(scale.contiguous(), axis)
+        out = compiled_dequantize(block_size, layout, dtype)(view, scale_view)
+    if out is None:
         return dequantize_reference(data, scale, axis, block_size, dtype)
-    layout, view = _layout_view(data.contiguous(), axis)
-    _, scale_view = _layout_view(scale.contiguous(), axis)
-    return compiled_dequantize(block_size, layout, dtype)(view, scale_view).view(data.shape)
+    return out.view(data.shape)
 
 
 def fake_quantized(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """dequantize(quantize(x)) as `dtype` by the compiled rounding, for a CPU operand that
     `runs_compiled`: contiguous, or the transpose of a contiguous tensor where x is one (rounded
-    in its memory order), whatever x's own strides."""
+    in its memory order), whatever x's own strides; None where no graph is at hand for an
+    operand under COMPILE_MIN_NUMEL (the caller then takes the reference)."""
     return _in_memory_order(_rounded, x, axis, elem, scale_mode, block_size, dtype)
 
 
@@ -254,9 +288,10 @@ def fake_quantize_cpu(
 ) -> torch.Tensor:
     """`mxcompile::fake_quantize` on CPU (see the module docstring); the result in x's layout."""
     axis = check_quantizable(x, axis, block_size)
-    if not runs_compiled(x):
+    out = fake_quantized(x, axis, elem, scale_mode, block_size, dtype) if runs_compiled(x) else None
+    if out is None:
         return fake_quantize_reference(x, axis, elem, scale_mode, block_size, dtype)
-    return in_layout_of(x, fake_quantized(x, axis, elem, scale_mode, block_size, dtype))
+    return in_layout_of(x, out)
 
 
 quantize_op.register_kernel("cpu")(quantize_cpu)

@@ -104,7 +104,19 @@ class Precompiled:
         self.dynamic_dims = tuple(dynamic_dims)
         self.globals = globals_
         self._loaded: dict[tuple[torch.dtype, ...], Any] = {}
+        self._saved: dict[tuple[torch.dtype, ...], bool] = {}  # whether a file was there, looked up once
         self._traced: Callable[..., Any] | None = None
+
+    def available(self, *dtypes: torch.dtype) -> bool:
+        """Whether the compiled function for inputs of `dtypes` is at hand without compiling:
+        loaded in this process, or saved by an earlier one (the file looked up once per
+        process; a call then loads it in about 10 ms)."""
+        if dtypes in self._loaded:
+            return True
+        saved = self._saved.get(dtypes)
+        if saved is None:
+            saved = self._saved[dtypes] = caches_enabled() and self.path(*dtypes).exists()
+        return saved
 
     def __call__(self, *xs: torch.Tensor) -> Any:
         """fn(*xs); the `dynamic_dims` of each x are marked dynamic (each x should be a view of

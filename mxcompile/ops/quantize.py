@@ -246,11 +246,13 @@ def _blocks_and_scales(x: torch.Tensor, axis: int, elem: str, scale_mode: str, b
 def _in_memory_order(function: Callable[..., Any], x: torch.Tensor, axis: int, *args: Any) -> Any:
     """function(x, axis, *args), run on the memory order of a transposed-contiguous x (the
     saved transposed weight) instead of transposing it: its tensor outputs are transposed back
-    (views)."""
+    (views); None (the function declined) passes through."""
     axis %= x.ndim
     if not _is_transposed_contiguous(x):
         return function(x, axis, *args)
     out = function(x.mT, _swap_last_two(axis, x.ndim), *args)
+    if out is None:
+        return None
     return tuple(t.mT for t in out) if isinstance(out, tuple) else out.mT
 
 

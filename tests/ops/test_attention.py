@@ -373,9 +373,11 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
     """Large CPU operands are rounded by a compiled graph (COMPILED_MIN_NUMEL): the same fp32
     values as numerics.fake_quantize_along, along either axis, on strided inputs."""
     from mxcompile.numerics import E4M3, E5M2, ScaleMode, fake_quantize_along
+    import mxcompile.ops.cpu_kernels as cpu_kernels
     from mxcompile.ops.attention_reference import _mx_rounded
     from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout
 
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", COMPILED_MIN_NUMEL)  # these sizes compile
     calls = _counting_compiled_rounding(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(1, 4, 1, 256, 64, generator=g) * torch.logspace(-30, 30, 64)).to(dtype)
@@ -394,16 +396,18 @@ def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dt
     assert {key[-1] for key in calls} == {torch.float32}
 
 
-def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_state():
+def test_compiled_rounding_traces_one_graph_per_dtype_whatever_the_dispatch_state(monkeypatch):
     """The ops' kernels run below ADInplaceOrView when called through torch.library and above
     it when the backward is called directly: the compiled rounding must not trace a graph for
     each (Dynamo guards on the input's dispatch keys), which cost every process about 0.4 s of
     tracing per extra graph, warm caches included."""
     from torch._dynamo.utils import counters
 
+    import mxcompile.ops.cpu_kernels as cpu_kernels
     from mxcompile.numerics import E5M2, ScaleMode
     from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout, compiled_rounding
 
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", COMPILED_MIN_NUMEL)  # these sizes compile
     # A key no other test uses (functools.cache), so that its first call traces here.
     round_rows = compiled_rounding(E5M2, ScaleMode.EVEN, 64, BlockLayout.ROWS, torch.float32)
     rows = torch.randn(COMPILED_MIN_NUMEL // 128, 128)
@@ -428,9 +432,11 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, lay
     from torch._inductor import loop_body
     from torch._inductor.virtualized import V
 
+    import mxcompile.ops.cpu_kernels as cpu_kernels
     from mxcompile.numerics import E5M2, ScaleMode
     from mxcompile.ops.cpu_kernels import COMPILED_MIN_NUMEL, BlockLayout, compiled_rounding
 
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", COMPILED_MIN_NUMEL)  # these sizes compile
     points: dict[int, int] = {}
     traced = loop_body.LoopBody.__call__
 
@@ -464,6 +470,7 @@ def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch)
         out, lse = attention_forward_impl(q, k, v, None, options)
         return (out, lse, *attention_backward_impl(do, q, k, v, None, out, lse, options))
 
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", cpu_kernels.COMPILED_MIN_NUMEL)
     calls = _counting_compiled_rounding(monkeypatch)
     compiled = run()
     assert calls, "the operands are large enough for the compiled rounding"

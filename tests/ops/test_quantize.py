@@ -46,6 +46,7 @@ def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch):
     import mxcompile.ops.cpu_kernels as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "COMPILED_MIN_NUMEL", 0)  # compiled at any size
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", 0)
     fmt = ELEM_FORMATS[elem]
     x = _special_data()
     cases = [(x, 1, mode) for mode in ScaleMode]
@@ -192,9 +193,11 @@ def test_inductor_quantize_loop_bodies_stay_small(monkeypatch):
     for the fake-quantize op's CPU kernel."""
     from torch._inductor import loop_body
 
+    import mxcompile.ops.cpu_kernels as cpu_kernels
     from mxcompile.numerics import E4M3
     from mxcompile.ops.cpu_kernels import BlockLayout, compiled_rounding
 
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", 0)  # this small operand compiles its graph
     sizes: list[int] = []
     traced = loop_body.LoopBody.__call__
 
@@ -247,3 +250,30 @@ def test_cpu_kernels_name_a_length_that_is_not_a_multiple_of_the_block_size(size
         QUANTIZE(x, -1, "e4m3", "rceil", 32)
     with pytest.raises(ValueError, match=r"x.shape\[1\]=48 .* not divisible by block_size=32; pad that axis"):
         FAKE_QUANTIZE(x, -1, "e4m3", "rceil", 32, torch.float32)
+
+
+def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, tmp_path):
+    """An operand between COMPILED_MIN_NUMEL and COMPILE_MIN_NUMEL elements runs the reference
+    while no graph for it is at hand (no compile: the demo's first step 29.7 -> 10.5 s), and the
+    graph once a larger operand has compiled it; the same bits either way."""
+    import mxcompile.ops.cpu_kernels as cpu_kernels
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing saved by other runs
+    runs = []
+    compiled_run = cpu_kernels._run
+    monkeypatch.setattr(cpu_kernels, "_run", lambda *a: runs.append(a[1].numel()) or compiled_run(*a))
+    medium = torch.randn(cpu_kernels.COMPILED_MIN_NUMEL // 128, 256)
+    large = torch.randn(cpu_kernels.COMPILE_MIN_NUMEL // 256, 256)
+    assert cpu_kernels.COMPILED_MIN_NUMEL <= medium.numel() < cpu_kernels.COMPILE_MIN_NUMEL <= large.numel()
+    fmt = ELEM_FORMATS["e5m2"]  # a key (format, rule, block 64) no other test compiles
+
+    def check(x):
+        want = dequantize_along(*quantize_along(x, 1, fmt, ScaleMode.CEIL, 64), 1, 64, torch.float32)
+        assert _same_values(FAKE_QUANTIZE(x, 1, "e5m2", "ceil", 64, torch.float32), want)
+
+    check(medium)
+    assert runs == []
+    check(large)
+    assert runs == [large.numel()]
+    check(medium)
+    assert runs == [large.numel(), medium.numel()]
