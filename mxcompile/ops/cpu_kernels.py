@@ -125,7 +125,7 @@ def _precompiled(fn: Callable[..., object], name: str, layout: BlockLayout, *par
 
 def _at_hand_or_worth_compiling(compiled: Precompiled, *blocks: torch.Tensor) -> bool:
     """Whether to run `compiled` on `blocks` (see COMPILE_MIN_NUMEL)."""
-    return blocks[0].numel() >= COMPILE_MIN_NUMEL or compiled.available(*(b.dtype for b in blocks))
+    return blocks[0].numel() >= COMPILE_MIN_NUMEL or compiled.available(*blocks)
 
 
 def _run(compiled: Precompiled, *blocks: torch.Tensor):

@@ -107,10 +107,14 @@ class Precompiled:
         self._saved: dict[tuple[torch.dtype, ...], bool] = {}  # whether a file was there, looked up once
         self._traced: Callable[..., Any] | None = None
 
-    def available(self, *dtypes: torch.dtype) -> bool:
-        """Whether the compiled function for inputs of `dtypes` is at hand without compiling:
-        loaded in this process, or saved by an earlier one (the file looked up once per
-        process; a call then loads it in about 10 ms)."""
+    def available(self, *xs: torch.Tensor) -> bool:
+        """Whether fn(*xs) can run compiled code at hand, without compiling: the function for
+        the inputs' dtypes loaded in this process or saved by an earlier one (the file looked
+        up once per process; a call then loads it in about 10 ms), and no dynamic dim under 2
+        (those go through a plain torch.compile, which compiles)."""
+        if any(x.shape[dim] < 2 for x in xs for dim in self.dynamic_dims):
+            return False
+        dtypes = tuple(x.dtype for x in xs)
         if dtypes in self._loaded:
             return True
         saved = self._saved.get(dtypes)

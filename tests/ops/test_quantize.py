@@ -277,3 +277,7 @@ def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, 
     assert runs == [large.numel()]
     check(medium)
     assert runs == [large.numel(), medium.numel()]
+    # A block grid with a dim of 1 would go through a plain torch.compile (a compile of its
+    # own): a medium operand of that shape takes the reference even with the graph at hand.
+    check(medium.reshape(1, -1))
+    assert runs == [large.numel(), medium.numel()]
