@@ -76,6 +76,7 @@ import torch
 from ..numerics import elem_format, fake_quantize_along
 from ..numerics import scale_mode_named
 from .cpu_kernels import fake_quantized, runs_compiled
+from .quantize import _is_transposed_contiguous
 
 ATTENTION_MODES = ("both", "qk_only", "off")
 # Gradient element format when the forward op is differentiated through its registered autograd
@@ -159,10 +160,21 @@ def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_si
     score tiles then serve them too, two compiled graphs fewer on a cold cache (about 3 s each
     on the 2-core CPU) for one vectorized conversion pass."""
     if runs_compiled(x):
-        rounded = fake_quantized(x.detach().float(), axis, elem, scale_mode, block_size, torch.float32)
+        rounded = fake_quantized(_fp32_for_rounding(x), axis, elem, scale_mode, block_size, torch.float32)
         if rounded is not None:
             return rounded
     return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
+
+
+def _fp32_for_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 (exact), detached, in the memory order the compiled rounding reads: x's own
+    where it is contiguous or the transpose of a contiguous tensor, contiguous otherwise (one
+    pass that converts and reorders, where `.float()` and then the kernel's `.contiguous()`
+    made two: Q, K, V and dO arrive as (B, H, T, d) views of (B, T, H, d) memory)."""
+    x = x.detach()
+    if x.is_contiguous() or _is_transposed_contiguous(x):
+        return x.float()
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 class _Operands:
@@ -305,9 +317,9 @@ def attention_backward_impl(
     is_causal, scale, key_tile = options.is_causal, options.scale, options.key_tile
     forward_elem, grad_elem = options.forward_elem, options.grad_elem
     # Q, K and dO are each rounded along two axes: converted to fp32 once (exact), not per use.
-    q5 = _grouped(q, kv_heads).float()
-    k4 = k.unsqueeze(2).float()
-    do5 = _grouped(grad_out, kv_heads).float()
+    q5 = _fp32_for_rounding(_grouped(q, kv_heads))
+    k4 = _fp32_for_rounding(k.unsqueeze(2))
+    do5 = _fp32_for_rounding(_grouped(grad_out, kv_heads))
     q_d = ops.qk(q5, -1, forward_elem)  # S = Q·Kᵀ: along head_dim
     k_d = ops.qk(k4, -1, forward_elem)
     q_t = ops.qk(q5, -2, forward_elem)  # dK = dSᵀ·Q: along queries
