@@ -53,23 +53,23 @@ def tma_boxes(block_m: int, block_n: int, block_k: int, b_transposed: bool) -> t
 
 
 def set_tma_boxes(nargs: dict[str, Any]) -> None:
-    """Autotune pre-hook of the MX GEMM: a host-side tensor descriptor's box is fixed when the
-    launcher builds it, before the autotuner picks a config, so each config resizes the boxes
-    to its tiles before it runs (no-op without USE_TMA)."""
-    if not nargs.get("USE_TMA"):
-        return
+    """Autotune pre-hook of the MX GEMM's TMA variant: a host-side tensor descriptor's box is
+    fixed when the launcher builds it, before the autotuner picks a config, so each config
+    resizes the boxes to its tiles before it runs."""
     a_box, b_box = tma_boxes(nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"], nargs["B_DESC_TRANSPOSED"])
     nargs["a_desc"].block_shape = a_box
     nargs["b_desc"].block_shape = b_box
 
 
-def mx_mm_autotune_configs() -> list[triton.Config]:
-    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list), each with
-    the pre-hook that sizes the TMA boxes (`set_tma_boxes`)."""
+def mx_mm_autotune_configs(tma: bool = False) -> list[triton.Config]:
+    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list); for the TMA
+    variant each with the pre-hook that sizes its boxes (`set_tma_boxes`). Only there: Triton
+    does not cache the timings of configs with a pre-hook on disk (it cannot serialize them),
+    so the TMA variant is timed again in every process."""
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,
-            pre_hook=set_tma_boxes,
+            pre_hook=set_tma_boxes if tma else None,
         )
         for bm, bn, bk, s, w in [
             (128, 256, 128, 3, 8),

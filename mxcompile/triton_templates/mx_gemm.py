@@ -133,10 +133,10 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, tiles: dict[str, int]) -> tup
 
 
 @functools.cache
-def _autotuned(block_size: int) -> Any:
+def _autotuned(block_size: int, tma: bool) -> Any:
     configs = [
         c
-        for c in mx_mm_autotune_configs()
+        for c in mx_mm_autotune_configs(tma)
         if c.kwargs["BLOCK_K"] % block_size == 0 and c.kwargs["BLOCK_N"] % block_size == 0
     ]
     if not configs:
@@ -223,7 +223,7 @@ def mx_mm_launch(
     if m == 0 or n == 0:  # nothing to compute; Triton rejects an empty grid
         return c, q_data, q_scale
     if autotune:
-        kernel = _autotuned(block_size)
+        kernel = _autotuned(block_size, use_tma)
     else:
         kernel = kernel_module("mx_gemm", interpret=interpret).mx_mm_kernel
         meta.update({"GROUP_M": 8, **(tiles or interpreter_mx_mm_config())})

@@ -87,6 +87,25 @@ def test_tma_operand_tiles_give_the_pointer_loads_bits(b_layout: str) -> None:
     _check(c_tma, ref, torch.float32)
 
 
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_only_the_tma_variant_autotunes_with_a_pre_hook(b_transposed: bool) -> None:
+    """Triton keeps autotune timings on disk only for configs without a pre-hook: the
+    pointer-load variant's configs have none; the TMA variant's pre-hook sizes the boxes of
+    the descriptors the launcher built to each config's tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mxcompile.triton_templates.configs import mx_mm_autotune_configs
+
+    assert all(config.pre_hook is None for config in mx_mm_autotune_configs())
+    operand = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    for config in mx_mm_autotune_configs(tma=True):
+        descriptors = {name: TensorDescriptor.from_tensor(operand, [32, 32]) for name in ("a_desc", "b_desc")}
+        config.pre_hook({**descriptors, "B_DESC_TRANSPOSED": b_transposed, **config.kwargs})
+        bm, bn, bk = (config.kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        assert descriptors["a_desc"].block_shape == [bm, bk]
+        assert descriptors["b_desc"].block_shape == ([bn, bk] if b_transposed else [bk, bn])
+
+
 def test_tma_refusals_name_the_cause() -> None:
     a, sa, b, sb, _ = _operands(32, 72, 64)
     with pytest.raises(ValueError, match="dot_scaled path only"):
