@@ -66,9 +66,9 @@ COMPILED_MIN_NUMEL = 1 << 16
 # (from COMPILED_MIN_NUMEL) run a graph that is at hand (compiled for a larger operand of the
 # same kind, or saved by an earlier process) and the reference otherwise. The demo's tiny GPT
 # (operands of at most 2**17 elements) compiled six graphs for a few logits-gradient and
-# attention-tile operands: its first MX step took 29.7 s, 10.5 s without them (Inductor's:
-# 7.0 s), its median step unchanged (46.6 vs 46.0 ms); the d512 benchmark models' operands all
-# have 2**18 elements or more.
+# attention-tile operands: its first MX step took 29.7 s, 10.1-10.5 s without them
+# (Inductor's: 6.2-7.0 s), its median step about the same (46-52 ms against 47 ms, noisy); the
+# d512 benchmark models' operands all have 2**18 elements or more.
 COMPILE_MIN_NUMEL = 1 << 18
 
 
