@@ -264,28 +264,24 @@ def resolve_gemm_path(path: str, block_size: int) -> bool:
     return block_size == 32
 
 
-def resolve_tma(tma: bool | None, a: torch.Tensor, b: torch.Tensor, use_dot_scaled: bool) -> bool:
-    """Whether the MX GEMM reads its FP8 operands through TMA descriptors (`mx_gemm`'s USE_TMA).
+def check_tma(a: torch.Tensor, b: torch.Tensor, use_dot_scaled: bool) -> None:
+    """Raise ValueError naming what keeps the MX GEMM from reading these FP8 operands through
+    TMA descriptors (`mx_gemm`'s USE_TMA): the Hopper path, a layout a descriptor cannot
+    describe (`mx_gemm.tma_unsupported`), a GPU before sm90. The interpreter runs it.
 
-    None ("auto"): on GPUs with MX tensor cores (sm100+, where the Triton block-scaled matmul
-    tutorial feeds tl.dot_scaled through TMA), on the dot_scaled path, when the layouts allow
-    it (`mx_gemm.tma_unsupported`). True asks for it (the interpreter runs it too; an error
-    names what prevents it); False keeps pointer loads. Not timed on a GPU yet: compiled for
-    sm100 without one, the K loop copies its operand tiles with `cp.async.bulk.tensor`
-    (`benchmarks/gpu_kernels.py --pipelining`)."""
+    Opt-in (`mx_mm_triton(tma=True)`), not the default on sm100 yet: it is not timed on a GPU,
+    and compiled for sm100 without one (`benchmarks/gpu_kernels.py --pipelining 100`) the K
+    loop copies the operand tiles with `cp.async.bulk.tensor` but, in 5 of the 8 autotune
+    configs, loads the scales synchronously (a tile's scale rows are 2-4 bytes, under
+    `cp.async`'s and TMA's minimums), which may stall it. `gpu_kernels.py` times both."""
     from .mx_gemm import tma_unsupported
 
-    if tma is False:
-        return False
     reason = None if use_dot_scaled else "TMA serves the dot_scaled path only (path='hopper' loads per scale block)"
     reason = reason or tma_unsupported(a, b)
-    if tma is None:
-        return reason is None and has_mx_tensor_cores(a.device)
     if reason is None and a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
         reason = f"TMA needs sm90+, this GPU is sm{''.join(map(str, torch.cuda.get_device_capability(a.device)))}"
     if reason is not None:
         raise ValueError(f"tma=True: {reason}")
-    return True
 
 
 def mx_mm_triton(
@@ -304,7 +300,7 @@ def mx_mm_triton(
     output_scale_mode: str = "rceil",
     keep_output: bool = False,
     path: str = "auto",
-    tma: bool | None = None,
+    tma: bool = False,
     cast: str = "software",
     tiles: dict[str, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -318,8 +314,8 @@ def mx_mm_triton(
     Returns C (M, N) in out_dtype; with `quantize_output="e4m3"|"e5m2"` returns the MX copy of C
     along its last axis, (data, scales (M, N/bs)), and with `keep_output=True` (C, data, scales).
     `path`: "auto" (dot_scaled for block_size 32, else "hopper"; see `resolve_gemm_path`),
-    "dot_scaled", "hopper". `tma`: read the FP8 operands through TMA descriptors (None: on
-    sm100+ where the layouts allow it; see `resolve_tma`). `tiles` ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}) overrides autotuning.
+    "dot_scaled", "hopper". `tma=True`: read the FP8 operands through TMA descriptors (see
+    `check_tma`). `tiles` ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}) overrides autotuning.
     """
     from .mx_gemm import MXMMKey, check_epilogue, mx_mm_launch
 
@@ -366,6 +362,8 @@ def mx_mm_triton(
     scale_mode_named(output_scale_mode, argument="output_scale_mode")
     _require(a.device, block_size=block_size)
     use_dot_scaled = resolve_gemm_path(path, block_size)
+    if tma:
+        check_tma(a, b, use_dot_scaled)
     _check_tiles(
         tiles,
         {
@@ -377,8 +375,7 @@ def mx_mm_triton(
     key = MXMMKey(a_elem, b_elem, ops, out_elem, output_scale_mode, cast)
     c, q_data, q_scale = mx_mm_launch(
         a, a_scale, b, b_scale, block_size=block_size, out_dtype=out_dtype, key=key,
-        use_dot_scaled=use_dot_scaled, use_tma=resolve_tma(tma, a, b, use_dot_scaled),
-        store_c=quantize_output is None or keep_output,
+        use_dot_scaled=use_dot_scaled, use_tma=tma, store_c=quantize_output is None or keep_output,
         quantize_out=quantize_output is not None, bias=bias, mul=mul, residual=residual,
         tiles=tiles, interpret=_interpreting(),
     )  # fmt: skip
