@@ -123,12 +123,11 @@ def _precompiled(fn: Callable[..., object], name: str, layout: BlockLayout, *par
                        globals_=globals())
 
 
-def _at_hand_or_worth_compiling(compiled: Precompiled, *blocks: torch.Tensor) -> bool:
-    """Whether to run `compiled` on `blocks` (see COMPILE_MIN_NUMEL)."""
-    return blocks[0].numel() >= COMPILE_MIN_NUMEL or compiled.available(*blocks)
-
-
 def _run(compiled: Precompiled, *blocks: torch.Tensor):
+    """compiled(*blocks), or None where the operand is too small to compile the graph and none
+    is at hand (COMPILE_MIN_NUMEL)."""
+    if blocks[0].numel() < COMPILE_MIN_NUMEL and not compiled.available(*blocks):
+        return None
     # Grad mode and the input's dispatch keys are part of the graph's guards. The ops'
     # torch.library kernels run below ADInplaceOrView when called through the op and above it
     # when called directly (the attention forward's autograd backward): without one fixed
@@ -159,10 +158,8 @@ def compiled_rounding(
     compiled = _precompiled(blocks_rounded, "rounding", layout, fmt.name, mode.value, block_size, str(out_dtype))
 
     def rounded(x: torch.Tensor) -> torch.Tensor | None:
-        blocks = _blocks(x, layout, block_size)
-        if not _at_hand_or_worth_compiling(compiled, blocks):
-            return None
-        return _run(compiled, blocks).view(x.shape)
+        out = _run(compiled, _blocks(x, layout, block_size))
+        return None if out is None else out.view(x.shape)
 
     return rounded
 
@@ -182,10 +179,10 @@ def compiled_quantize(
     compiled = _precompiled(blocks_quantized, "quantize", layout, fmt.name, mode.value, block_size)
 
     def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        blocks = _blocks(x, layout, block_size)
-        if not _at_hand_or_worth_compiling(compiled, blocks):
+        out = _run(compiled, _blocks(x, layout, block_size))
+        if out is None:
             return None
-        data, scale = _run(compiled, blocks)
+        data, scale = out
         scale_shape = list(x.shape)
         scale_shape[1] //= block_size
         return data.view(x.shape), scale.view(scale_shape)
@@ -208,10 +205,8 @@ def compiled_dequantize(
     compiled = _precompiled(blocks_dequantized, "dequantize", layout, block_size, str(out_dtype))
 
     def dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-        blocks, scale_blocks = _blocks(data, layout, block_size), _blocks(scale, layout, 1)
-        if not _at_hand_or_worth_compiling(compiled, blocks, scale_blocks):
-            return None
-        return _run(compiled, blocks, scale_blocks).view(data.shape)
+        out = _run(compiled, _blocks(data, layout, block_size), _blocks(scale, layout, 1))
+        return None if out is None else out.view(data.shape)
 
     return dequantized
 

@@ -112,7 +112,7 @@ class Precompiled:
         the inputs' dtypes loaded in this process or saved by an earlier one (the file looked
         up once per process; a call then loads it in about 10 ms), and no dynamic dim under 2
         (those go through a plain torch.compile, which compiles)."""
-        if any(x.shape[dim] < 2 for x in xs for dim in self.dynamic_dims):
+        if self._specializes(xs):
             return False
         dtypes = tuple(x.dtype for x in xs)
         if dtypes in self._loaded:
@@ -131,7 +131,7 @@ class Precompiled:
             # Dynamo specializes sizes 0 and 1: a graph compiled for one would not serve others.
             # The caches are checked only until a function is loaded (reading torch's config
             # costs ~20 us, as much as the call of a loaded function).
-            if not caches_enabled() or any(x.shape[dim] < 2 for x in xs for dim in self.dynamic_dims):
+            if not caches_enabled() or self._specializes(xs):
                 return self._traced_fn()(*self._marked(xs))
             precompiled = self._loaded[dtypes] = self._load_or_compile(xs)
         if not precompiled.guard_check(*xs):
@@ -142,6 +142,10 @@ class Precompiled:
         """The file that holds the compiled function for inputs of `dtypes`."""
         digest = hashlib.sha256(repr((self.key, environment_key(), *map(str, dtypes))).encode()).hexdigest()
         return cache_directory() / f"{self.name}-{digest[:32]}.bin"
+
+    def _specializes(self, xs: tuple[torch.Tensor, ...]) -> bool:
+        """A dynamic dim of size 0 or 1, which Dynamo specializes (a graph of its own)."""
+        return any(x.shape[dim] < 2 for x in xs for dim in self.dynamic_dims)
 
     def _marked(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         for x in xs:

@@ -188,11 +188,12 @@ def mx_mm_launch(
     def strides(t: torch.Tensor | None, ndim: int) -> tuple[int, ...]:
         return tuple(t.stride()) if t is not None else (0,) * ndim
 
-    autotune = tiles is None and not interpret
+    # Fixed tiles (given, or the interpreter's), or None: the autotuner picks them.
+    fixed_tiles = None if tiles is None and not interpret else {"GROUP_M": 8, **(tiles or interpreter_mx_mm_config())}
     a_desc = b_desc = dummy
     b_transposed = False
     if use_tma:  # boxes of the first config until the autotuner sizes them to each config's tiles
-        box_tiles = mx_mm_autotune_configs()[0].kwargs if autotune else (tiles or interpreter_mx_mm_config())
+        box_tiles = fixed_tiles or mx_mm_autotune_configs()[0].kwargs
         a_desc, b_desc, b_transposed = _descriptors(a, b, box_tiles)
     args = (
         a, a_scale, b, b_scale, c_arg,
@@ -222,11 +223,11 @@ def mx_mm_launch(
 
     if m == 0 or n == 0:  # nothing to compute; Triton rejects an empty grid
         return c, q_data, q_scale
-    if autotune:
+    if fixed_tiles is None:
         kernel = _autotuned(block_size, use_tma)
     else:
         kernel = kernel_module("mx_gemm", interpret=interpret).mx_mm_kernel
-        meta.update({"GROUP_M": 8, **(tiles or interpreter_mx_mm_config())})
+        meta.update(fixed_tiles)
     if wrap is not None:
         kernel = wrap(kernel)
     kernel[grid](*args, **meta)

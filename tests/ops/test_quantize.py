@@ -257,11 +257,14 @@ def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, 
     while no graph for it is at hand (no compile: the demo's first step 29.7 -> 10.5 s), and the
     graph once a larger operand has compiled it; the same bits either way."""
     import mxcompile.ops.cpu_kernels as cpu_kernels
+    from mxcompile.ops.precompiled import Precompiled
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing saved by other runs
-    runs = []
-    compiled_run = cpu_kernels._run
-    monkeypatch.setattr(cpu_kernels, "_run", lambda *a: runs.append(a[1].numel()) or compiled_run(*a))
+    runs, compiles = [], []  # the compiled graphs' calls (operand sizes), and their compiles
+    call, load_or_compile = Precompiled.__call__, Precompiled._load_or_compile
+    monkeypatch.setattr(Precompiled, "__call__", lambda self, *xs: runs.append(xs[0].numel()) or call(self, *xs))
+    monkeypatch.setattr(Precompiled, "_load_or_compile",
+                        lambda self, xs: compiles.append(xs[0].numel()) or load_or_compile(self, xs))
     medium = torch.randn(cpu_kernels.COMPILED_MIN_NUMEL // 128, 256)
     large = torch.randn(cpu_kernels.COMPILE_MIN_NUMEL // 256, 256)
     assert cpu_kernels.COMPILED_MIN_NUMEL <= medium.numel() < cpu_kernels.COMPILE_MIN_NUMEL <= large.numel()
@@ -281,3 +284,4 @@ def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, 
     # own): a medium operand of that shape takes the reference even with the graph at hand.
     check(medium.reshape(1, -1))
     assert runs == [large.numel(), medium.numel()]
+    assert compiles == [large.numel()]
