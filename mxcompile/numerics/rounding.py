@@ -25,7 +25,7 @@ import torch
 from .formats import F32_MANTISSA_BITS, ElemFormat
 
 _F32_SIGNIFICAND_BITS = F32_MANTISSA_BITS + 1
-_MAGIC_SIGNIFICAND = 1.5  # C = 1.5 * 2**k keeps v + C inside one binade for |v| < 2**(k-1)
+MAGIC_SIGNIFICAND = 1.5  # C = 1.5 * 2**k keeps v + C inside one binade for |v| < 2**(k-1)
 
 
 def min_normal_exponent(fmt: ElemFormat) -> int:
@@ -34,15 +34,29 @@ def min_normal_exponent(fmt: ElemFormat) -> int:
     return 2 - (1 << (exponent_bits - 1))
 
 
+def splitter(fmt: ElemFormat) -> float:
+    """Veltkamp's splitter that rounds fp32 values to the element's significant bits."""
+    return float(2 ** (_F32_SIGNIFICAND_BITS - (fmt.mantissa_bits + 1)) + 1)
+
+
+def subnormal_quantum_exponent(fmt: ElemFormat) -> int:
+    """Exponent of the smallest subnormal element, the spacing of the subnormal range."""
+    return min_normal_exponent(fmt) - fmt.mantissa_bits
+
+
+def subnormal_magic(fmt: ElemFormat) -> float:
+    """C = 1.5 * 2**(q + 23), q the subnormal quantum's exponent: v + C rounds v to a multiple
+    of 2**q."""
+    return MAGIC_SIGNIFICAND * 2.0 ** (subnormal_quantum_exponent(fmt) + F32_MANTISSA_BITS)
+
+
 def round_to_element(v: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
     """fp32 `v` (|v| <= max_normal, or NaN) rounded to the element format, as fp32."""
-    emin = min_normal_exponent(fmt)
-    splitter = float(2 ** (_F32_SIGNIFICAND_BITS - (fmt.mantissa_bits + 1)) + 1)
-    c = v * splitter
+    c = v * splitter(fmt)
     normal = c - (c - v)
-    magic = _MAGIC_SIGNIFICAND * 2.0 ** (emin - fmt.mantissa_bits + F32_MANTISSA_BITS)
+    magic = subnormal_magic(fmt)
     subnormal = (v + magic) - magic
-    return torch.copysign(torch.where(v.abs() < 2.0**emin, subnormal, normal), v)
+    return torch.copysign(torch.where(v.abs() < 2.0 ** min_normal_exponent(fmt), subnormal, normal), v)
 
 
 def quantize_blocks(

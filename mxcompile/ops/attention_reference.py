@@ -75,6 +75,7 @@ import torch
 
 from ..numerics import elem_format, fake_quantize_along
 from ..numerics import scale_mode_named
+from . import native
 from .cpu_kernels import fake_quantized, runs_compiled
 from .quantize import _is_transposed_contiguous
 
@@ -153,16 +154,20 @@ def default_key_tile(block_size: int) -> int:
 def _mx_rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int) -> torch.Tensor:
     """x quantized to MX along axis and dequantized exactly to fp32 (the value the GEMM sees),
     in fp32 arithmetic (no fp8 round trip: see `numerics.fake_quantize_along`). The ops are
-    opaque to Inductor, so on the CPU large operands are rounded by the compiled kernel of
+    opaque to Inductor, so on the CPU operands are rounded by a CPU kernel of
     `mxcompile::fake_quantize` (`cpu_kernels`: one fused loop instead of about fifteen eager
-    elementwise passes), in their own memory order, the result in that order too. Operands in
-    other dtypes (bf16 Q, K, V, dO) are converted to fp32 first (exact): the fp32 graphs of the
+    elementwise passes), in their own memory order, the result in that order too. The native
+    kernels read bf16 Q, K, V and dO as they are; for the compiled graphs (where the native
+    kernels are not built) they are converted to fp32 first (exact): the fp32 graphs of the
     score tiles then serve them too, two compiled graphs fewer on a cold cache (about 3 s each
     on the 2-core CPU) for one vectorized conversion pass."""
-    if runs_compiled(x):
+    rounded = None
+    if native.available():
+        rounded = fake_quantized(x.detach(), axis, elem, scale_mode, block_size, torch.float32)
+    elif runs_compiled(x):
         rounded = fake_quantized(_fp32_for_rounding(x), axis, elem, scale_mode, block_size, torch.float32)
-        if rounded is not None:
-            return rounded
+    if rounded is not None:
+        return rounded
     return fake_quantize_along(x, axis % x.ndim, elem_format(elem), scale_mode_named(scale_mode), block_size)
 
 

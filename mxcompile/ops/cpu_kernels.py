@@ -1,10 +1,18 @@
-"""The CPU kernels of the quantize ops: their Inductor forms, compiled once with dynamic sizes.
+"""The CPU kernels of the quantize ops.
 
     mxcompile::quantize       `quantize_cpu`       (x -> fp8 data, uint8 scale bytes)
     mxcompile::dequantize     `dequantize_cpu`     (data, scale bytes -> dtype)
     mxcompile::fake_quantize  `fake_quantize_cpu`  (x -> dequantize(quantize(x)) as dtype)
 
-Each runs one compiled graph per (element format, scale mode, block size, block layout,
+Each runs, in this order of preference, with the same values:
+  1. the native kernels (`ops.native`: C++ built once per machine, one pass over each block),
+     for every operand size;
+  2. where those are not built (no usable C++ compiler) or do not handle the case (blocks
+     along rows whose size is not a multiple of 16): the ops' Inductor forms compiled once with
+     dynamic sizes, described below;
+  3. otherwise the torch reference.
+
+Each Inductor form runs one compiled graph per (element format, scale mode, block size, block layout,
 dtypes): the op's Inductor form (`ops.quantize`, bit-identical to the numerics core) on a
 contiguous view of the operand's blocks, with the block grid's sizes dynamic, so one graph
 serves every shape. The graphs are saved under the Inductor cache directory and later
@@ -39,6 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..numerics import ElemFormat, ScaleMode, dequantize_along, elem_format, fake_quantize_along
 from ..numerics.quantize import check_quantizable
 from ..numerics import scale_mode_named
+from . import native
 from .precompiled import Precompiled, source_key
 from .quantize import (
     _in_memory_order,
@@ -222,10 +231,13 @@ def _layout_view(x: torch.Tensor, axis: int) -> tuple[BlockLayout, torch.Tensor]
 
 def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`compiled_quantize` of contiguous x (or a copy) in x's shape: (data, scale bytes), or
-    None (no graph at hand for this operand: COMPILE_MIN_NUMEL)."""
+    """The native or else the compiled quantize of contiguous x (or a copy) in x's shape:
+    (data, scale bytes), or None (neither runs on this operand)."""
+    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
     layout, view = _layout_view(x.contiguous(), axis)
-    out = compiled_quantize(elem_format(elem), scale_mode_named(scale_mode), block_size, layout)(view)
+    out = native.quantize(view, fmt, mode, block_size)
+    if out is None and runs_compiled(x):
+        out = compiled_quantize(fmt, mode, block_size, layout)(view)
     if out is None:
         return None
     scale_shape = list(x.shape)
@@ -235,9 +247,13 @@ def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
 
 def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
              dtype: torch.dtype) -> torch.Tensor | None:
-    """`compiled_rounding` of contiguous x (or a copy) in x's shape, as `dtype`, or None."""
+    """The native or else the compiled rounding of contiguous x (or a copy) in x's shape, as
+    `dtype`, or None."""
+    fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
     layout, view = _layout_view(x.contiguous(), axis)
-    out = compiled_rounding(elem_format(elem), scale_mode_named(scale_mode), block_size, layout, dtype)(view)
+    out = native.fake_quantize(view, fmt, mode, block_size, dtype)
+    if out is None and runs_compiled(x):
+        out = compiled_rounding(fmt, mode, block_size, layout, dtype)(view)
     return None if out is None else out.view(x.shape)
 
 
@@ -247,7 +263,7 @@ def quantize_cpu(
     """`mxcompile::quantize` on CPU (see the module docstring); the outputs in the fake
     implementation's layouts."""
     axis = check_quantizable(x, axis, block_size)
-    out = _in_memory_order(_quantized, x, axis, elem, scale_mode, block_size) if runs_compiled(x) else None
+    out = _in_memory_order(_quantized, x, axis, elem, scale_mode, block_size)
     if out is None:
         return quantize_reference(x, axis, elem, scale_mode, block_size)
     return in_layout_of(x, out[0]), out[1].contiguous()
@@ -258,10 +274,10 @@ def dequantize_cpu(
 ) -> torch.Tensor:
     """`mxcompile::dequantize` on CPU (see the module docstring): a contiguous result."""
     axis %= data.ndim
-    out = None
-    if runs_compiled(data):
-        layout, view = _layout_view(data.contiguous(), axis)
-        _, scale_view = _layout_view(scale.contiguous(), axis)
+    layout, view = _layout_view(data.contiguous(), axis)
+    _, scale_view = _layout_view(scale.contiguous(), axis)
+    out = native.dequantize(view, scale_view, block_size, dtype)
+    if out is None and runs_compiled(data):
         out = compiled_dequantize(block_size, layout, dtype)(view, scale_view)
     if out is None:
         return dequantize_reference(data, scale, axis, block_size, dtype)
@@ -271,10 +287,10 @@ def dequantize_cpu(
 def fake_quantized(
     x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """dequantize(quantize(x)) as `dtype` by the compiled rounding, for a CPU operand that
-    `runs_compiled`: contiguous, or the transpose of a contiguous tensor where x is one (rounded
-    in its memory order), whatever x's own strides; None where no graph is at hand for an
-    operand under COMPILE_MIN_NUMEL (the caller then takes the reference)."""
+    """dequantize(quantize(x)) as `dtype` by the native or the compiled rounding, for a CPU
+    operand: contiguous, or the transpose of a contiguous tensor where x is one (rounded in its
+    memory order), whatever x's own strides; None where neither runs on it (the caller then
+    takes the reference)."""
     return _in_memory_order(_rounded, x, axis, elem, scale_mode, block_size, dtype)
 
 
@@ -283,7 +299,7 @@ def fake_quantize_cpu(
 ) -> torch.Tensor:
     """`mxcompile::fake_quantize` on CPU (see the module docstring); the result in x's layout."""
     axis = check_quantizable(x, axis, block_size)
-    out = fake_quantized(x, axis, elem, scale_mode, block_size, dtype) if runs_compiled(x) else None
+    out = fake_quantized(x, axis, elem, scale_mode, block_size, dtype)
     if out is None:
         return fake_quantize_reference(x, axis, elem, scale_mode, block_size, dtype)
     return in_layout_of(x, out)

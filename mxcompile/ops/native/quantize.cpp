@@ -1,0 +1,449 @@
+// MX quantization on CPU in one pass over each block: mxcompile::quantize,
+// mxcompile::fake_quantize and mxcompile::dequantize for contiguous operands.
+//
+// The same arithmetic as the numerics core (mxcompile/numerics), step for step, so the results
+// are equal bit for bit (tests/ops/test_native_kernels.py checks every path against the torch
+// reference):
+//   amax     the largest |x| of a block, as an integer maximum of the fp32 bit patterns with
+//            the sign cleared (finite values order as their bits; NaN patterns lie above Inf,
+//            so a NaN propagates as torch's amax does);
+//   scale    the E8M0 byte of `numerics.scales.scale_bytes_from_amax`, then the fp32 scale and
+//            inverse scale of `scale_fp32_from_bytes` / `inverse_scale_fp32_from_bytes`;
+//   elements x * inverse, clamped to +-max_normal, rounded to the element format by
+//            `numerics.rounding.round_to_element` (Veltkamp split in the normal range, the
+//            magic-number addition in the subnormal range), then either encoded as fp8 bytes
+//            (quantize) or multiplied by the scale and converted to the output dtype (fake
+//            quantize); every element of a NaN block (scale byte 0xFF) is NaN.
+//
+// Written with GCC/Clang vector extensions (16 fp32 lanes), not intrinsics: the compiler emits
+// AVX512 where the CPU has it and splits the vectors elsewhere. Built with -ffp-contract=off:
+// a fused multiply-add would change the rounding tricks' results.
+//
+// Each entry point processes a range [begin, end) of independent units (rows of blocks, or
+// (batch, block) strips of the column layout), so the caller splits the work across threads.
+
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float f32v __attribute__((vector_size(kLanes * 4)));
+typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
+typedef _Float16 f16v __attribute__((vector_size(kLanes * 2)));
+typedef uint8_t u8v __attribute__((vector_size(kLanes)));
+
+// Operand and result kinds (mxcompile/ops/native/__init__.py keeps the same numbers).
+enum Dtype : int32_t { BF16 = 0, F16 = 1, F32 = 2, FP8 = 3 };
+enum ScaleMode : int32_t { FLOOR = 0, RCEIL = 1, CEIL = 2, EVEN = 3 };
+
+constexpr uint32_t kSignMask = 0x80000000u;
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kQuietNanBits = 0x7FC00000u;
+constexpr int kMantissaBits = 23;
+constexpr uint32_t kMantissaMask = (1u << kMantissaBits) - 1;
+constexpr int32_t kE8M0Nan = 0xFF;
+constexpr int32_t kE8M0MaxByte = 0xFE;
+constexpr uint32_t kTwoPowMinus127Bits = 1u << (kMantissaBits - 1);  // the subnormal 2**-127
+
+}  // namespace
+
+// The element format and scale rule, filled by the Python loader from mxcompile.numerics.
+struct MXFormat {
+    int32_t scale_mode;     // ScaleMode
+    int32_t emax;           // exponent of the largest power of two <= max_normal
+    int32_t mantissa_bits;  // element mantissa bits (e4m3: 3, e5m2: 2)
+    int32_t exponent_bias;  // element exponent bias (e4m3: 7, e5m2: 15)
+    int32_t nan_byte;       // the fp8 byte written for the elements of a NaN block
+    float max_normal;       // largest finite element magnitude
+    float reciprocal_max;   // fp32(1 / max_normal), the rceil multiplier
+    float splitter;         // 2**(24 - (mantissa_bits + 1)) + 1: Veltkamp's splitter
+    float magic;            // 1.5 * 2**(emin - mantissa_bits + 23): the subnormal rounding constant
+    float min_normal;       // 2**emin, the smallest normal element magnitude
+    float subnormal_quantum;  // 2**(emin - mantissa_bits), the smallest subnormal element
+    float subnormal_steps;    // 1 / subnormal_quantum (a multiply: a division costs ~5x more)
+};
+
+namespace {
+
+inline f32v splat(float v) { return f32v{} + v; }
+inline i32v splat_i(int32_t v) { return i32v{} + v; }
+inline u32v splat_u(uint32_t v) { return u32v{} + v; }
+
+inline i32v max_i(i32v a, i32v b) { return a > b ? a : b; }
+inline i32v min_i(i32v a, i32v b) { return a < b ? a : b; }
+
+// ---- loads and stores of 16 elements (n < 16: the first n, zero-filled) ----
+
+// Copies the first n elements. The full vector (n == kLanes) is a constant-size copy, which
+// compiles to one vector move; a runtime size (a row's last, partial vector) to a byte loop.
+template <typename Element>
+inline void copy_lanes(void* destination, const void* source, int n) {
+    if (n == kLanes) {
+        memcpy(destination, source, kLanes * sizeof(Element));
+    } else {
+        memcpy(destination, source, n * sizeof(Element));
+    }
+}
+
+template <int32_t kDtype>
+inline f32v load(const void* base, int64_t index, int n = kLanes) {
+    if constexpr (kDtype == BF16) {
+        u16v h{};
+        copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(base) + index, n);
+        return (f32v)(__builtin_convertvector(h, u32v) << 16);
+    } else if constexpr (kDtype == F16) {
+        f16v h{};
+        copy_lanes<_Float16>(&h, static_cast<const _Float16*>(base) + index, n);
+        return __builtin_convertvector(h, f32v);
+    } else {
+        f32v v{};
+        copy_lanes<float>(&v, static_cast<const float*>(base) + index, n);
+        return v;
+    }
+}
+
+// fp32 -> bf16, round to nearest even, NaN as ATen's vectorized conversion writes it (0xFFFF).
+inline u16v bf16_bits(f32v v) {
+    u32v bits = (u32v)v;
+    u32v rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    rounded = v == v ? rounded : splat_u(0xFFFFu);
+    return __builtin_convertvector(rounded, u16v);
+}
+
+template <int32_t kDtype>
+inline void store(void* base, int64_t index, f32v v, int n = kLanes) {
+    if constexpr (kDtype == BF16) {
+        u16v h = bf16_bits(v);
+        copy_lanes<uint16_t>(static_cast<uint16_t*>(base) + index, &h, n);
+    } else if constexpr (kDtype == F16) {
+        f16v h = __builtin_convertvector(v, f16v);
+        copy_lanes<_Float16>(static_cast<_Float16*>(base) + index, &h, n);
+    } else {
+        copy_lanes<float>(static_cast<float*>(base) + index, &v, n);
+    }
+}
+
+inline void store_bytes(uint8_t* base, int64_t index, i32v v, int n = kLanes) {
+    u8v b = __builtin_convertvector(v, u8v);
+    copy_lanes<uint8_t>(base + index, &b, n);
+}
+
+inline i32v abs_bits(f32v v) { return (i32v)((u32v)v & kAbsMask); }
+
+// ---- scales ----
+
+// numerics.scales.scale_bytes_from_amax, for amax given as non-negative fp32 bit patterns.
+inline i32v scale_bytes(i32v amax_bits, const MXFormat& f) {
+    i32v biased;
+    if (f.scale_mode == RCEIL) {
+        i32v descale = (i32v)((f32v)amax_bits * f.reciprocal_max);
+        i32v exponent = (descale >> kMantissaBits) & 0xFF;
+        i32v mantissa = descale & (int32_t)kMantissaMask;
+        i32v normal = exponent + (mantissa != 0 ? splat_i(1) : splat_i(0));
+        i32v subnormal = mantissa > (int32_t)kTwoPowMinus127Bits ? splat_i(1) : splat_i(0);
+        biased = exponent == 0 ? subnormal : normal;
+    } else {
+        i32v bits = amax_bits;
+        if (f.scale_mode == EVEN) bits += 1 << (kMantissaBits - f.mantissa_bits - 1);
+        i32v exponent = (bits >> kMantissaBits) & 0xFF;
+        if (f.scale_mode == CEIL) exponent += ((bits & (int32_t)kMantissaMask) != 0 ? splat_i(1) : splat_i(0));
+        biased = exponent - f.emax;
+    }
+    biased = min_i(max_i(biased, splat_i(0)), splat_i(kE8M0MaxByte));
+    return amax_bits < (int32_t)kInfBits ? biased : splat_i(kE8M0Nan);
+}
+
+// numerics.scales.scale_fp32_from_bytes: 2**(b - 127), NaN for 0xFF.
+inline f32v scale_from_bytes(i32v b) {
+    u32v bits = b == 0 ? splat_u(kTwoPowMinus127Bits) : (u32v)(b << kMantissaBits);
+    return (f32v)(b == kE8M0Nan ? splat_u(kQuietNanBits) : bits);
+}
+
+// numerics.scales.inverse_scale_fp32_from_bytes: 2**(127 - b), NaN for 0xFF.
+inline f32v inverse_scale_from_bytes(i32v b) {
+    u32v bits = b == kE8M0MaxByte ? splat_u(kTwoPowMinus127Bits) : (u32v)((2 * 127 - b) << kMantissaBits);
+    return (f32v)(b == kE8M0Nan ? splat_u(kQuietNanBits) : bits);
+}
+
+// ---- elements (lanes of blocks with a finite scale; NaN blocks are written apart) ----
+
+// x * inverse clamped to +-max_normal (numerics.rounding.quantize_blocks). x * inverse is
+// finite in a block whose scale is, so min/max need no NaN rule.
+inline f32v scaled_element(f32v x, f32v inverse, const MXFormat& f) {
+    f32v v = x * inverse;
+    v = v < -f.max_normal ? splat(-f.max_normal) : v;
+    return v > f.max_normal ? splat(f.max_normal) : v;
+}
+
+// numerics.rounding.round_to_element: Veltkamp's split in the normal range, the magic-number
+// addition in the subnormal range, the sign copied back (signed zeros kept).
+inline f32v rounded_element(f32v v, const MXFormat& f) {
+    f32v c = v * f.splitter;
+    f32v normal = c - (c - v);
+    f32v subnormal = (v + f.magic) - f.magic;
+    f32v magnitude = (f32v)abs_bits(v) < f.min_normal ? subnormal : normal;
+    return (f32v)(((u32v)magnitude & kAbsMask) | ((u32v)v & kSignMask));
+}
+
+// The fp8 byte nearest to v (|v| <= max_normal), ties to even: the fp8 cast, as integer
+// arithmetic on v's bits. Normal range: the fp32 mantissa rounded to mantissa_bits by adding
+// half an fp8 ulp less one plus the kept part's lowest bit, then the exponent re-biased.
+// Subnormal range: v + magic rounds |v| to a multiple of the subnormal quantum in the low
+// mantissa bits (the same addition as rounded_element), which are the byte's code.
+inline i32v fp8_bytes(f32v v, const MXFormat& f) {
+    const int dropped = kMantissaBits - f.mantissa_bits;
+    i32v magnitude = abs_bits(v);
+    i32v odd = (magnitude >> dropped) & 1;
+    i32v normal = ((magnitude + ((1 << (dropped - 1)) - 1) + odd) >> dropped)
+                  - ((127 - f.exponent_bias) << f.mantissa_bits);
+    i32v subnormal = (i32v)((f32v)magnitude + f.magic) - (i32v)splat(f.magic);
+    i32v code = (f32v)magnitude < f.min_normal ? subnormal : normal;
+    return code | (i32v)(((u32v)v >> 24) & 0x80u);
+}
+
+// The fp32 value of fp8 bytes (what torch's fp8 -> fp32 conversion gives).
+inline f32v fp8_values(i32v code, const MXFormat& f) {
+    int exponent_bits = 7 - f.mantissa_bits;
+    i32v exponent = (code >> f.mantissa_bits) & ((1 << exponent_bits) - 1);
+    i32v mantissa = code & ((1 << f.mantissa_bits) - 1);
+    i32v normal = ((exponent - f.exponent_bias + 127) << kMantissaBits) | (mantissa << (kMantissaBits - f.mantissa_bits));
+    i32v subnormal = (i32v)(__builtin_convertvector(mantissa, f32v) * f.subnormal_quantum);
+    i32v magnitude = exponent == 0 ? subnormal : normal;
+    i32v top_exponent = splat_i((1 << exponent_bits) - 1);
+    if (f.mantissa_bits == 3) {  // e4m3fn: no infinities; S.1111.111 is NaN
+        magnitude = (code & 0x7F) == 0x7F ? splat_i((int32_t)kQuietNanBits) : magnitude;
+    } else {  // IEEE-like (e5m2): the top exponent is Inf (mantissa 0) or NaN
+        i32v special = mantissa == 0 ? splat_i((int32_t)kInfBits) : splat_i((int32_t)kQuietNanBits);
+        magnitude = exponent == top_exponent ? special : magnitude;
+    }
+    return (f32v)(magnitude | ((code & 0x80) << 24));
+}
+
+inline int32_t horizontal_max(i32v m) {
+    m = max_i(m, __builtin_shuffle(m, i32v{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    m = max_i(m, __builtin_shuffle(m, i32v{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    m = max_i(m, __builtin_shuffle(m, i32v{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    m = max_i(m, __builtin_shuffle(m, i32v{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return m[0];
+}
+
+// n lanes of a block from `index`, quantized with their scales: fp8 bytes into `out`, or for a
+// float kOut the dequantized values (fake quantization). Lanes whose scale is NaN are NaN:
+// fmt.nan_byte, or the quiet NaN that the reference's float arithmetic gives.
+template <int32_t kIn, int32_t kOut, bool kNanLanes>
+inline void quantize_lanes(const void* x, void* out, int64_t index, f32v scale, f32v inverse,
+                           i32v nan_lanes, const MXFormat& f, int n = kLanes) {
+    f32v v = scaled_element(load<kIn>(x, index, n), inverse, f);
+    if constexpr (kOut == FP8) {
+        i32v code = fp8_bytes(v, f);
+        if constexpr (kNanLanes) code = nan_lanes ? splat_i(f.nan_byte) : code;
+        store_bytes(static_cast<uint8_t*>(out), index, code, n);
+    } else {
+        f32v value = rounded_element(v, f) * scale;
+        if constexpr (kNanLanes) value = (f32v)(nan_lanes ? splat_i((int32_t)kQuietNanBits) : (i32v)value);
+        store<kOut>(out, index, value, n);
+    }
+}
+
+// Work smaller than this many elements runs on the calling thread: an OpenMP parallel region
+// costs a few microseconds, about what 2**14 elements take.
+constexpr int64_t kParallelMinElements = 1 << 14;
+
+// ---- row layout: (rows, length), blocks of block_size consecutive elements along each row;
+// scales (rows, length / block_size). block_size is a multiple of 16. ----
+
+template <int32_t kIn, int32_t kOut>
+void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int64_t length,
+                   int64_t block_size, int threads, const MXFormat* format) {
+    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
+    // format, which would reload its fields in every iteration.
+    const MXFormat f = *format;
+    const int64_t blocks = length / block_size;
+    const i32v no_nan{};
+#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
+    for (int64_t row = 0; row < rows; ++row) {
+        const int64_t row_start = row * length;
+        // Up to 16 blocks at a time: their amax, then their scales as one vector, then their
+        // elements, each block with its scale broadcast (its data still in L1).
+        for (int64_t first = 0; first < blocks; first += kLanes) {
+            const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
+            i32v amax{};
+            for (int j = 0; j < group; ++j) {
+                const int64_t start = row_start + (first + j) * block_size;
+                i32v m{};
+                for (int64_t k = 0; k < block_size; k += kLanes) m = max_i(m, abs_bits(load<kIn>(x, start + k)));
+                amax[j] = horizontal_max(m);
+            }
+            const i32v bytes = scale_bytes(amax, f);
+            const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
+            store_bytes(scales, row * blocks + first, bytes, group);
+            for (int j = 0; j < group; ++j) {
+                const int64_t start = row_start + (first + j) * block_size;
+                const bool nan_block = bytes[j] == kE8M0Nan;
+                const f32v block_scale = splat(scale[j]), block_inverse = splat(inverse[j]);
+                for (int64_t k = 0; k < block_size; k += kLanes) {
+                    if (nan_block) {
+                        quantize_lanes<kIn, kOut, true>(x, out, start + k, block_scale, block_inverse, splat_i(-1), f);
+                    } else {
+                        quantize_lanes<kIn, kOut, false>(x, out, start + k, block_scale, block_inverse, no_nan, f);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---- column layout: (batch, length, width), blocks of block_size elements along the middle
+// axis; scales (batch, length / block_size, width). A unit is one (batch, block) strip of
+// block_size rows; the lanes run along the width, so the amax is a vertical maximum. ----
+
+template <int32_t kIn, int32_t kOut>
+void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, int64_t length,
+                      int64_t width, int64_t block_size, int threads, const MXFormat* format) {
+    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
+    // format, which would reload its fields in every iteration.
+    const MXFormat f = *format;
+    const int64_t blocks = length / block_size, units = batch * blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t start = ((unit / blocks) * length + (unit % blocks) * block_size) * width;
+        for (int64_t column = 0; column < width; column += kLanes) {
+            const int n = (int)(width - column < kLanes ? width - column : kLanes);
+            i32v amax{};
+            for (int64_t k = 0; k < block_size; ++k)
+                amax = max_i(amax, abs_bits(load<kIn>(x, start + k * width + column, n)));
+            const i32v bytes = scale_bytes(amax, f);
+            const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
+            const i32v nan_lanes = bytes == kE8M0Nan;
+            const bool any_nan = horizontal_max(nan_lanes & 1) != 0;
+            store_bytes(scales, unit * width + column, bytes, n);
+            for (int64_t k = 0; k < block_size; ++k) {
+                const int64_t index = start + k * width + column;
+                if (any_nan) {
+                    quantize_lanes<kIn, kOut, true>(x, out, index, scale, inverse, nan_lanes, f, n);
+                } else {
+                    quantize_lanes<kIn, kOut, false>(x, out, index, scale, inverse, nan_lanes, f, n);
+                }
+            }
+        }
+    }
+}
+
+// ---- dequantization: fp8 bytes times their block's scale, as the output dtype ----
+
+template <int32_t kOut>
+inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v scale,
+                             const MXFormat& f, int n = kLanes) {
+    u8v b{};
+    copy_lanes<uint8_t>(&b, data + index, n);
+    store<kOut>(out, index, fp8_values(__builtin_convertvector(b, i32v), f) * scale, n);
+}
+
+template <int32_t kOut>
+void dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int64_t rows,
+                     int64_t length, int64_t block_size, int threads, const MXFormat* format) {
+    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
+    // format, which would reload its fields in every iteration.
+    const MXFormat f = *format;
+    const int64_t blocks = length / block_size;
+#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
+    for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t block = 0; block < blocks; ++block) {
+            const f32v scale = scale_from_bytes(splat_i(scales[row * blocks + block]));
+            const int64_t start = row * length + block * block_size;
+            for (int64_t k = 0; k < block_size; k += kLanes) dequantize_lanes<kOut>(data, out, start + k, scale, f);
+        }
+    }
+}
+
+template <int32_t kOut>
+void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, int64_t batch,
+                        int64_t length, int64_t width, int64_t block_size, int threads,
+                        const MXFormat* format) {
+    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
+    // format, which would reload its fields in every iteration.
+    const MXFormat f = *format;
+    const int64_t blocks = length / block_size, units = batch * blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t start = ((unit / blocks) * length + (unit % blocks) * block_size) * width;
+        for (int64_t column = 0; column < width; column += kLanes) {
+            const int n = (int)(width - column < kLanes ? width - column : kLanes);
+            u8v b{};
+            copy_lanes<uint8_t>(&b, scales + unit * width + column, n);
+            const f32v scale = scale_from_bytes(__builtin_convertvector(b, i32v));
+            for (int64_t k = 0; k < block_size; ++k)
+                dequantize_lanes<kOut>(data, out, start + k * width + column, scale, f, n);
+        }
+    }
+}
+
+// Dispatch on the runtime dtypes to the instantiation for them.
+template <template <int32_t, int32_t> class Kernel, typename... Args>
+int dispatch_in_out(int32_t in, int32_t out, Args... args) {
+#define MX_CASE(I, O) if (in == I && out == O) { Kernel<I, O>::run(args...); return 0; }
+    MX_CASE(BF16, FP8) MX_CASE(BF16, BF16) MX_CASE(BF16, F16) MX_CASE(BF16, F32)
+    MX_CASE(F16, FP8) MX_CASE(F16, BF16) MX_CASE(F16, F16) MX_CASE(F16, F32)
+    MX_CASE(F32, FP8) MX_CASE(F32, BF16) MX_CASE(F32, F16) MX_CASE(F32, F32)
+#undef MX_CASE
+    return 1;
+}
+
+template <int32_t kIn, int32_t kOut>
+struct QuantizeRows {
+    template <typename... Args> static void run(Args... args) { quantize_rows<kIn, kOut>(args...); }
+};
+template <int32_t kIn, int32_t kOut>
+struct QuantizeColumns {
+    template <typename... Args> static void run(Args... args) { quantize_columns<kIn, kOut>(args...); }
+};
+
+}  // namespace
+
+// The exported entry points return 0, or 1 for arguments they do not handle (a dtype
+// combination, or row blocks that are not whole vectors).
+extern "C" {
+
+int mx_quantize_rows(const void* x, int32_t in_dtype, void* out, int32_t out_dtype, uint8_t* scales,
+                     int64_t rows, int64_t length, int64_t block_size, int32_t threads,
+                     const MXFormat* format) {
+    if (block_size % kLanes) return 1;
+    return dispatch_in_out<QuantizeRows>(in_dtype, out_dtype, x, out, scales, rows, length, block_size,
+                                         (int)threads, format);
+}
+
+int mx_quantize_columns(const void* x, int32_t in_dtype, void* out, int32_t out_dtype, uint8_t* scales,
+                        int64_t batch, int64_t length, int64_t width, int64_t block_size,
+                        int32_t threads, const MXFormat* format) {
+    return dispatch_in_out<QuantizeColumns>(in_dtype, out_dtype, x, out, scales, batch, length, width,
+                                            block_size, (int)threads, format);
+}
+
+int mx_dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int32_t out_dtype,
+                       int64_t rows, int64_t length, int64_t block_size, int32_t threads,
+                       const MXFormat* format) {
+    if (block_size % kLanes) return 1;
+    switch (out_dtype) {
+        case BF16: dequantize_rows<BF16>(data, scales, out, rows, length, block_size, threads, format); return 0;
+        case F16: dequantize_rows<F16>(data, scales, out, rows, length, block_size, threads, format); return 0;
+        case F32: dequantize_rows<F32>(data, scales, out, rows, length, block_size, threads, format); return 0;
+        default: return 1;
+    }
+}
+
+int mx_dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, int32_t out_dtype,
+                          int64_t batch, int64_t length, int64_t width, int64_t block_size,
+                          int32_t threads, const MXFormat* format) {
+    switch (out_dtype) {
+        case BF16: dequantize_columns<BF16>(data, scales, out, batch, length, width, block_size, threads, format); return 0;
+        case F16: dequantize_columns<F16>(data, scales, out, batch, length, width, block_size, threads, format); return 0;
+        case F32: dequantize_columns<F32>(data, scales, out, batch, length, width, block_size, threads, format); return 0;
+        default: return 1;
+    }
+}
+
+}  // extern "C"
