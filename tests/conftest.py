@@ -35,3 +35,12 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+@pytest.fixture
+def without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantize ops' CPU kernels as on a machine where the native ones cannot be built
+    (`mxcompile.ops.native`): the compiled graphs of `ops.cpu_kernels`, then the reference."""
+    from mxcompile.ops import native
+
+    monkeypatch.setattr(native, "_kernels", lambda: None)

@@ -369,7 +369,7 @@ def _counting_compiled_rounding(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dtype):
+def test_compiled_rounding_equals_the_eager_rounding_bit_for_bit(monkeypatch, dtype, without_native_kernels):
     """Large CPU operands are rounded by a compiled graph (COMPILED_MIN_NUMEL): the same fp32
     values as numerics.fake_quantize_along, along either axis, on strided inputs."""
     from mxcompile.numerics import E4M3, E5M2, ScaleMode, fake_quantize_along
@@ -459,9 +459,11 @@ def test_compiled_rounding_computes_block_scales_once_per_block(monkeypatch, lay
 
 
 def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch):
-    """The ops' outputs with the compiled rounding (large operands) against the eager one: the
-    same operand values, so equal up to the summation order of the GEMMs on other layouts."""
+    """The ops' outputs with the native rounding, with the compiled rounding (large operands,
+    the native kernels off) and with the eager one: the same operand values, so equal up to
+    the summation order of the GEMMs on other layouts."""
     import mxcompile.ops.cpu_kernels as cpu_kernels
+    from mxcompile.ops import native
 
     (q, k, v, do), _ = _case("gqa_causal")
     options = AttentionOptions(True, 0.125, "both", "e4m3", "rceil", 32, 128, grad_elem="e4m3")
@@ -470,16 +472,20 @@ def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch)
         out, lse = attention_forward_impl(q, k, v, None, options)
         return (out, lse, *attention_backward_impl(do, q, k, v, None, out, lse, options))
 
-    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", cpu_kernels.COMPILED_MIN_NUMEL)
+    assert native.available()
     calls = _counting_compiled_rounding(monkeypatch)
+    with_native = run()
+    assert not calls
+    monkeypatch.setattr(native, "_kernels", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "COMPILE_MIN_NUMEL", cpu_kernels.COMPILED_MIN_NUMEL)
     compiled = run()
     assert calls, "the operands are large enough for the compiled rounding"
     monkeypatch.setattr(cpu_kernels, "COMPILED_MIN_NUMEL", math.inf)
     calls.clear()
     eager = run()
     assert not calls
-    for a, b in zip(compiled, eager, strict=True):
-        assert sqnr_db(a, b) >= 100  # fp32 outputs: summation order only (equal on this CPU)
+    for a, b, c in zip(with_native, compiled, eager, strict=True):
+        assert sqnr_db(a, c) >= 100 and sqnr_db(b, c) >= 100  # fp32 outputs: summation order only
 
 
 def test_batch_chunk_changes_no_value():

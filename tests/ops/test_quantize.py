@@ -37,9 +37,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
-def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch):
-    """The quantize ops' CPU kernels (`ops.cpu_kernels`: their Inductor forms compiled with
-    dynamic sizes) against the numerics core on the edge cases of quantization: every scale
+def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch, without_native_kernels):
+    """The quantize ops' compiled-graph CPU kernels (`ops.cpu_kernels`: their Inductor forms
+    compiled with dynamic sizes, where the native kernels are not built) against the numerics core on the edge cases of quantization: every scale
     mode along the last axis (ROWS) in fp32; a bf16 input along the first axis (COLUMNS) once,
     since the layout and the dtype change only the loads (12 compiles per format, to keep CI
     within its time budget)."""
@@ -252,8 +252,8 @@ def test_cpu_kernels_name_a_length_that_is_not_a_multiple_of_the_block_size(size
         FAKE_QUANTIZE(x, -1, "e4m3", "rceil", 32, torch.float32)
 
 
-def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, tmp_path):
-    """An operand between COMPILED_MIN_NUMEL and COMPILE_MIN_NUMEL elements runs the reference
+def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, tmp_path, without_native_kernels):
+    """Without the native kernels, an operand between COMPILED_MIN_NUMEL and COMPILE_MIN_NUMEL elements runs the reference
     while no graph for it is at hand (no compile: the demo's first step 29.7 -> 10.5 s), and the
     graph once a larger operand has compiled it; the same bits either way."""
     import mxcompile.ops.cpu_kernels as cpu_kernels

@@ -73,7 +73,9 @@ def _build(compiler: str, flags: tuple[str, ...], path: Path) -> str | None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
-        return (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        lines = result.stderr.strip().splitlines()
+        errors = [line for line in lines if "error" in line]
+        return (errors or lines or [f"exit status {result.returncode}"])[0]
     os.replace(partial, path)
     return None
 

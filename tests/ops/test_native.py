@@ -1,0 +1,183 @@
+"""The native CPU kernels of the quantize ops (`mxcompile.ops.native`) against the numerics core,
+bit for bit: both block layouts, every input and output dtype, both element formats, every
+scale mode, widths that are not whole vectors, and the special values (NaN, Inf, signed zeros,
+subnormals, values past the element range) mixed into blocks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, fake_quantize_along, quantize_along
+from mxcompile.ops import native
+from mxcompile.ops.native import build
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+SPECIALS = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-40, -3e-39, 448.0, -500.0, 3e38, 65504.0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, except that any NaN matches any NaN: the reference's own NaN
+    payloads differ between ATen's vectorized conversions and their scalar tails (fp16 0x7E00
+    and 0x7F80 within one tensor), so a NaN's payload is not part of the answer. (The fp8
+    data's NaN byte is: it is compared exactly.)"""
+    return bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())
+
+
+def _operand(seed: int, shape: tuple[int, ...], dtype: torch.dtype, specials: int) -> torch.Tensor:
+    """Normal values whose magnitudes span the dtype's range block by block, with `specials`
+    special values at random places."""
+    g = torch.Generator().manual_seed(seed)
+    lowest = {torch.float16: -24, torch.bfloat16: -133, torch.float32: -149}[dtype]
+    highest = {torch.float16: 15, torch.bfloat16: 127, torch.float32: 127}[dtype]
+    exponents = torch.randint(lowest, highest, shape, generator=g).float()
+    x = torch.randn(shape, generator=g) * torch.exp2(exponents.clamp(max=highest - 1))
+    flat = x.view(-1)
+    places = torch.randint(0, flat.numel(), (specials,), generator=g)
+    picks = torch.randint(0, len(SPECIALS), (specials,), generator=g)
+    for place, pick in zip(places.tolist(), picks.tolist()):
+        flat[place] = SPECIALS[pick]
+    return x.to(dtype)
+
+
+def _check(x: torch.Tensor, axis: int, elem: str, mode: ScaleMode, block_size: int) -> None:
+    fmt = ELEM_FORMATS[elem]
+    want_data, want_scales = quantize_along(x, axis, fmt, mode, block_size)
+    data, scales = native.quantize(x, fmt, mode, block_size)
+    assert torch.equal(scales, want_scales), "scales"
+    assert torch.equal(_bits(data), _bits(want_data)), "data"
+    rounded = fake_quantize_along(x, axis, fmt, mode, block_size)
+    for dtype in INPUT_DTYPES:
+        fake = native.fake_quantize(x, fmt, mode, block_size, dtype)
+        assert _same_floats(fake, rounded.to(dtype)), f"fake quantize as {dtype}"
+        values = native.dequantize(data, scales, block_size, dtype)
+        assert _same_floats(values, dequantize_along(want_data, want_scales, axis, block_size, dtype)), \
+            f"dequantize as {dtype}"
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI's machine has the C++ compiler that Inductor needs; the kernels must build with it."""
+    assert native.available()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 5),
+    blocks=st.integers(1, 4),
+    block_size=st.sampled_from([16, 32, 64]),
+    dtype=st.sampled_from(INPUT_DTYPES),
+    elem=st.sampled_from(sorted(ELEM_FORMATS)),
+    mode=st.sampled_from(list(ScaleMode)),
+    specials=st.integers(0, 6),
+)
+def test_rows_layout_equals_the_numerics_core(seed, rows, blocks, block_size, dtype, elem, mode, specials):
+    x = _operand(seed, (rows, blocks * block_size), dtype, specials)
+    _check(x, 1, elem, mode, block_size)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    blocks=st.integers(1, 3),
+    width=st.integers(1, 40),
+    block_size=st.sampled_from([8, 32]),
+    dtype=st.sampled_from(INPUT_DTYPES),
+    elem=st.sampled_from(sorted(ELEM_FORMATS)),
+    mode=st.sampled_from(list(ScaleMode)),
+    specials=st.integers(0, 6),
+)
+def test_columns_layout_equals_the_numerics_core(seed, batch, blocks, width, block_size, dtype, elem, mode, specials):
+    x = _operand(seed, (batch, blocks * block_size, width), dtype, specials)
+    _check(x, 1, elem, mode, block_size)
+
+
+def test_threads_split_the_work_without_changing_a_bit():
+    """Operands past the kernels' parallel threshold run on torch's threads: the same bytes on
+    one thread."""
+    fmt = ELEM_FORMATS["e4m3"]
+    x = _operand(7, (256, 512), torch.bfloat16, 20)
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, max(2, threads)):
+        torch.set_num_threads(count)
+        try:
+            results.append((native.quantize(x, fmt, ScaleMode.RCEIL, 32),
+                            native.quantize(x.view(8, 32, 512), fmt, ScaleMode.RCEIL, 32)))
+        finally:
+            torch.set_num_threads(threads)
+    one_thread, threads_ = results
+    for (one_data, one_scales), (data, scales) in zip(one_thread, threads_, strict=True):
+        assert torch.equal(_bits(one_data), _bits(data)) and torch.equal(one_scales, scales)
+
+
+def test_cases_the_kernels_do_not_handle_return_none():
+    """Row blocks that are not whole 16-lane vectors, non-contiguous operands, other dtypes and
+    empty operands: None, so that the caller runs another kernel."""
+    fmt = ELEM_FORMATS["e4m3"]
+    x = torch.randn(4, 64)
+    assert native.quantize(torch.randn(4, 48), fmt, ScaleMode.RCEIL, 24) is None
+    assert native.quantize(x.t(), fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(x.double(), fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(torch.empty(0, 64), fmt, ScaleMode.RCEIL, 32) is None
+    assert native.fake_quantize(x, fmt, ScaleMode.RCEIL, 32, torch.float64) is None
+    data, scales = native.quantize(x, fmt, ScaleMode.RCEIL, 32)
+    assert native.dequantize(data, scales.t().contiguous().t(), 32, torch.float32) is None
+    assert native.dequantize(data, scales[:, :1], 32, torch.float32) is None
+    assert native.dequantize(data, scales.view(torch.int8), 32, torch.float32) is None
+
+
+def test_the_ops_cpu_kernels_run_the_native_kernels_at_every_size(monkeypatch):
+    """Small operands too (the compiled graphs started at 2**16 elements), in the memory order
+    of a transposed weight, with the ops' usual output layouts."""
+    calls = []
+    quantize, fake_quantize = native.quantize, native.fake_quantize
+    monkeypatch.setattr(native, "quantize", lambda x, *a: calls.append("quantize") or quantize(x, *a))
+    monkeypatch.setattr(native, "fake_quantize", lambda x, *a: calls.append("fake") or fake_quantize(x, *a))
+    weight = torch.randn(64, 96, dtype=torch.bfloat16)
+    for x, axis in ((weight, 1), (weight, 0), (weight.t(), 1)):
+        data, scales = torch.ops.mxcompile.quantize(x, axis, "e4m3", "rceil", 32)
+        want_data, want_scales = quantize_along(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
+        assert data.stride() == x.stride() and scales.is_contiguous()
+        assert torch.equal(_bits(data), _bits(want_data)) and torch.equal(scales, want_scales)
+        fake = torch.ops.mxcompile.fake_quantize(x, axis, "e4m3", "rceil", 32, torch.bfloat16)
+        assert fake.stride() == x.stride()
+        assert torch.equal(fake, fake_quantize_along(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32).bfloat16())
+    assert calls == ["quantize", "fake"] * 3
+
+
+def test_a_failed_build_is_reported_once_and_the_ops_still_run(monkeypatch, tmp_path, caplog):
+    """No usable compiler: `library()` returns None with a warning naming the compiler and the
+    error, and the ops run their other CPU kernels with the same values."""
+    import torch._inductor.cpp_builder as cpp_builder
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.library.__wrapped__() is None
+    assert "cannot build the native quantize kernels" in caplog.text and "no-such-compiler" in caplog.text
+    monkeypatch.setattr(native, "_kernels", lambda: None)
+    x = torch.randn(8, 64)
+    fake = torch.ops.mxcompile.fake_quantize(x, 1, "e5m2", "floor", 32, torch.float32)
+    assert torch.equal(fake, fake_quantize_along(x, 1, ELEM_FORMATS["e5m2"], ScaleMode.FLOOR, 32))
+
+
+def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.library.__wrapped__() is None
+    assert "cannot build the native quantize kernels" in caplog.text and "error" in caplog.text
+    assert not list((tmp_path / build.CACHE_SUBDIR).glob("*.partial"))
