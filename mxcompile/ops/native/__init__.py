@@ -27,7 +27,7 @@ import torch
 
 from ...numerics import ElemFormat, ScaleMode
 from ...numerics.formats import ELEM_FORMATS
-from ...numerics.rounding import min_normal_exponent, splitter, subnormal_magic, subnormal_quantum_exponent
+from ...numerics.rounding import min_normal_exponent, splitter, subnormal_magic
 from .build import library
 
 # The kernels' dtype and scale-mode codes (the enums of quantize.cpp).
@@ -51,8 +51,6 @@ class _MXFormat(ctypes.Structure):
         ("splitter", ctypes.c_float),
         ("magic", ctypes.c_float),
         ("min_normal", ctypes.c_float),
-        ("subnormal_quantum", ctypes.c_float),
-        ("subnormal_steps", ctypes.c_float),
     ]
 
 
@@ -60,7 +58,6 @@ class _MXFormat(ctypes.Structure):
 def _format(fmt: ElemFormat, mode: ScaleMode) -> _MXFormat:
     """The constants of `numerics.rounding` and `numerics.scales` for this format and rule."""
     emin = min_normal_exponent(fmt)
-    quantum_exponent = subnormal_quantum_exponent(fmt)
     return _MXFormat(
         scale_mode=_SCALE_MODE_CODES[mode],
         emax=fmt.emax,
@@ -72,8 +69,6 @@ def _format(fmt: ElemFormat, mode: ScaleMode) -> _MXFormat:
         splitter=splitter(fmt),
         magic=subnormal_magic(fmt),
         min_normal=2.0**emin,
-        subnormal_quantum=2.0**quantum_exponent,
-        subnormal_steps=2.0**-quantum_exponent,
     )
 
 

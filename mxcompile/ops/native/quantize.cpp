@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <cmath>
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -32,7 +34,6 @@ typedef float f32v __attribute__((vector_size(kLanes * 4)));
 typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
 typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
-typedef _Float16 f16v __attribute__((vector_size(kLanes * 2)));
 typedef uint8_t u8v __attribute__((vector_size(kLanes)));
 
 // Operand and result kinds (mxcompile/ops/native/__init__.py keeps the same numbers).
@@ -48,6 +49,7 @@ constexpr uint32_t kMantissaMask = (1u << kMantissaBits) - 1;
 constexpr int32_t kE8M0Nan = 0xFF;
 constexpr int32_t kE8M0MaxByte = 0xFE;
 constexpr uint32_t kTwoPowMinus127Bits = 1u << (kMantissaBits - 1);  // the subnormal 2**-127
+constexpr int kF32ExponentBias = 127;
 
 }  // namespace
 
@@ -63,8 +65,6 @@ struct MXFormat {
     float splitter;         // 2**(24 - (mantissa_bits + 1)) + 1: Veltkamp's splitter
     float magic;            // 1.5 * 2**(emin - mantissa_bits + 23): the subnormal rounding constant
     float min_normal;       // 2**emin, the smallest normal element magnitude
-    float subnormal_quantum;  // 2**(emin - mantissa_bits), the smallest subnormal element
-    float subnormal_steps;    // 1 / subnormal_quantum (a multiply: a division costs ~5x more)
 };
 
 namespace {
@@ -75,6 +75,38 @@ inline u32v splat_u(uint32_t v) { return u32v{} + v; }
 
 inline i32v max_i(i32v a, i32v b) { return a > b ? a : b; }
 inline i32v min_i(i32v a, i32v b) { return a < b ? a : b; }
+
+inline i32v abs_bits(f32v v) { return (i32v)((u32v)v & kAbsMask); }
+
+// ---- fp16 <-> fp32, as integer arithmetic on the bits (GCC runs vectors of _Float16 element
+// by element on CPUs without AVX512-FP16) ----
+
+// The magnitude bits shifted into fp32's fields read as fp32 are the value times 2**-112 (fp16's
+// subnormals become fp32 subnormals, exactly); the power-of-two factor restores it. The top
+// exponent (Inf, NaN) maps to fp32's.
+inline f32v fp32_from_fp16(u16v half) {
+    i32v bits = (i32v)__builtin_convertvector(half, u32v);
+    i32v magnitude = (bits & 0x7FFF) << 13;
+    i32v value = (i32v)((f32v)magnitude * 0x1p112f);
+    value = (bits & 0x7C00) == 0x7C00 ? magnitude | (int32_t)kInfBits : value;
+    return (f32v)(value | ((bits & 0x8000) << 16));
+}
+
+// Round to nearest even (torch's conversion): overflow to Inf, NaN to the quiet NaN 0x7E00,
+// the subnormal range by adding a magic number whose ulp is fp16's smallest subnormal, the
+// normal range by rounding the 13 dropped mantissa bits (half less one plus the kept lowest bit).
+inline u16v fp16_from_fp32(f32v v) {
+    constexpr int32_t kOverflow = (kF32ExponentBias + 16) << kMantissaBits;       // 2**16
+    constexpr int32_t kSubnormalLimit = (kF32ExponentBias - 14) << kMantissaBits;  // 2**-14
+    constexpr int32_t kMagic = (kF32ExponentBias - 1) << kMantissaBits;            // 0.5: ulp 2**-24
+    i32v magnitude = abs_bits(v);
+    i32v special = magnitude > (int32_t)kInfBits ? splat_i(0x7E00) : splat_i(0x7C00);
+    i32v subnormal = (i32v)((f32v)magnitude + (f32v)splat_i(kMagic)) - kMagic;
+    i32v normal = (magnitude - ((kF32ExponentBias - 15) << kMantissaBits) + 0xFFF + ((magnitude >> 13) & 1)) >> 13;
+    i32v half = magnitude < kSubnormalLimit ? subnormal : normal;
+    half = magnitude >= kOverflow ? special : half;
+    return __builtin_convertvector((u32v)(half | (i32v)(((u32v)v >> 16) & 0x8000u)), u16v);
+}
 
 // ---- loads and stores of 16 elements (n < 16: the first n, zero-filled) ----
 
@@ -96,9 +128,9 @@ inline f32v load(const void* base, int64_t index, int n = kLanes) {
         copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(base) + index, n);
         return (f32v)(__builtin_convertvector(h, u32v) << 16);
     } else if constexpr (kDtype == F16) {
-        f16v h{};
-        copy_lanes<_Float16>(&h, static_cast<const _Float16*>(base) + index, n);
-        return __builtin_convertvector(h, f32v);
+        u16v h{};
+        copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(base) + index, n);
+        return fp32_from_fp16(h);
     } else {
         f32v v{};
         copy_lanes<float>(&v, static_cast<const float*>(base) + index, n);
@@ -120,19 +152,21 @@ inline void store(void* base, int64_t index, f32v v, int n = kLanes) {
         u16v h = bf16_bits(v);
         copy_lanes<uint16_t>(static_cast<uint16_t*>(base) + index, &h, n);
     } else if constexpr (kDtype == F16) {
-        f16v h = __builtin_convertvector(v, f16v);
-        copy_lanes<_Float16>(static_cast<_Float16*>(base) + index, &h, n);
+        u16v h = fp16_from_fp32(v);
+        copy_lanes<uint16_t>(static_cast<uint16_t*>(base) + index, &h, n);
     } else {
         copy_lanes<float>(static_cast<float*>(base) + index, &v, n);
     }
 }
 
+// Bytes to 32-bit lanes in two steps: GCC 12 converts u8 -> i32 vectors element by element,
+// u8 -> u16 -> u32 with vector zero-extensions.
+inline i32v widen_bytes(u8v b) { return (i32v)__builtin_convertvector(__builtin_convertvector(b, u16v), u32v); }
+
 inline void store_bytes(uint8_t* base, int64_t index, i32v v, int n = kLanes) {
     u8v b = __builtin_convertvector(v, u8v);
     copy_lanes<uint8_t>(base + index, &b, n);
 }
-
-inline i32v abs_bits(f32v v) { return (i32v)((u32v)v & kAbsMask); }
 
 // ---- scales ----
 
@@ -205,22 +239,18 @@ inline i32v fp8_bytes(f32v v, const MXFormat& f) {
     return code | (i32v)(((u32v)v >> 24) & 0x80u);
 }
 
-// The fp32 value of fp8 bytes (what torch's fp8 -> fp32 conversion gives).
-inline f32v fp8_values(i32v code, const MXFormat& f) {
-    int exponent_bits = 7 - f.mantissa_bits;
-    i32v exponent = (code >> f.mantissa_bits) & ((1 << exponent_bits) - 1);
-    i32v mantissa = code & ((1 << f.mantissa_bits) - 1);
-    i32v normal = ((exponent - f.exponent_bias + 127) << kMantissaBits) | (mantissa << (kMantissaBits - f.mantissa_bits));
-    i32v subnormal = (i32v)(__builtin_convertvector(mantissa, f32v) * f.subnormal_quantum);
-    i32v magnitude = exponent == 0 ? subnormal : normal;
-    i32v top_exponent = splat_i((1 << exponent_bits) - 1);
-    if (f.mantissa_bits == 3) {  // e4m3fn: no infinities; S.1111.111 is NaN
-        magnitude = (code & 0x7F) == 0x7F ? splat_i((int32_t)kQuietNanBits) : magnitude;
-    } else {  // IEEE-like (e5m2): the top exponent is Inf (mantissa 0) or NaN
-        i32v special = mantissa == 0 ? splat_i((int32_t)kInfBits) : splat_i((int32_t)kQuietNanBits);
-        magnitude = exponent == top_exponent ? special : magnitude;
-    }
-    return (f32v)(magnitude | ((code & 0x80) << 24));
+// The fp32 value of fp8 bytes (what torch's fp8 -> fp32 conversion gives). The magnitude bits
+// shifted into fp32's exponent and mantissa fields read as fp32 are the value times
+// 2**(exponent_bias - 127) (subnormal elements become fp32 subnormals, exactly); `unbias`, that
+// power of two's inverse, restores it. NaN (e4m3: S.1111.111) and e5m2's Inf and NaN (top
+// exponent) map to fp32's.
+inline f32v fp8_values(i32v code, float unbias, const MXFormat& f) {
+    const int shift = kMantissaBits - f.mantissa_bits;
+    i32v magnitude = (code & 0x7F) << shift;
+    i32v value = (i32v)((f32v)magnitude * unbias);
+    i32v special = f.mantissa_bits == 3 ? ((code & 0x7F) == 0x7F ? splat_i((int32_t)kQuietNanBits) : value)
+                                        : ((code & 0x7C) == 0x7C ? magnitude | (int32_t)kInfBits : value);
+    return (f32v)(special | ((code & 0x80) << 24));
 }
 
 inline int32_t horizontal_max(i32v m) {
@@ -335,12 +365,15 @@ void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, 
 
 // ---- dequantization: fp8 bytes times their block's scale, as the output dtype ----
 
+// 2**(127 - exponent_bias): see fp8_values.
+inline float unbias_factor(const MXFormat& f) { return std::ldexp(1.0f, kF32ExponentBias - f.exponent_bias); }
+
 template <int32_t kOut>
-inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v scale,
+inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v scale, float unbias,
                              const MXFormat& f, int n = kLanes) {
     u8v b{};
     copy_lanes<uint8_t>(&b, data + index, n);
-    store<kOut>(out, index, fp8_values(__builtin_convertvector(b, i32v), f) * scale, n);
+    store<kOut>(out, index, fp8_values(widen_bytes(b), unbias, f) * scale, n);
 }
 
 template <int32_t kOut>
@@ -349,13 +382,14 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int6
     // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
     // format, which would reload its fields in every iteration.
     const MXFormat f = *format;
+    const float unbias = unbias_factor(f);
     const int64_t blocks = length / block_size;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
     for (int64_t row = 0; row < rows; ++row) {
         for (int64_t block = 0; block < blocks; ++block) {
             const f32v scale = scale_from_bytes(splat_i(scales[row * blocks + block]));
             const int64_t start = row * length + block * block_size;
-            for (int64_t k = 0; k < block_size; k += kLanes) dequantize_lanes<kOut>(data, out, start + k, scale, f);
+            for (int64_t k = 0; k < block_size; k += kLanes) dequantize_lanes<kOut>(data, out, start + k, scale, unbias, f);
         }
     }
 }
@@ -367,6 +401,7 @@ void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, i
     // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
     // format, which would reload its fields in every iteration.
     const MXFormat f = *format;
+    const float unbias = unbias_factor(f);
     const int64_t blocks = length / block_size, units = batch * blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
     for (int64_t unit = 0; unit < units; ++unit) {
@@ -375,9 +410,9 @@ void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, i
             const int n = (int)(width - column < kLanes ? width - column : kLanes);
             u8v b{};
             copy_lanes<uint8_t>(&b, scales + unit * width + column, n);
-            const f32v scale = scale_from_bytes(__builtin_convertvector(b, i32v));
+            const f32v scale = scale_from_bytes(widen_bytes(b));
             for (int64_t k = 0; k < block_size; ++k)
-                dequantize_lanes<kOut>(data, out, start + k * width + column, scale, f, n);
+                dequantize_lanes<kOut>(data, out, start + k * width + column, scale, unbias, f, n);
         }
     }
 }
