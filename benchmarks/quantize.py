@@ -1,9 +1,13 @@
 """Benchmark: MX quantization of bf16 tensors on CPU against memory-copy baselines.
 
 For each size it times (median of several runs, after warm-up):
-  * the `mxcompile::quantize` op as compiled graphs run it on CPU (its CPU kernel: the Inductor
-    form compiled once with dynamic sizes, `mxcompile.ops.cpu_kernels`) along the last axis,
-    along the first axis, and along both (two calls, two reads of the input);
+  * the `mxcompile::quantize` op as compiled graphs run it on CPU (its CPU kernel: the native
+    kernels of `mxcompile.ops.native`) along the last axis, along the first axis, and along
+    both (two calls, two reads of the input); `mxcompile::fake_quantize` (bf16 out) and
+    `mxcompile::dequantize` along the last axis;
+  * beside each, the kernel the ops ran before the native ones and still run where those cannot
+    be built: the Inductor form compiled once with dynamic sizes (`ops.cpu_kernels`), called
+    directly ("compiled graph");
   * x.clone() and copy_ into a preallocated buffer (the memory-traffic baselines);
   * torchao's `to_mx` in eager mode and compiled (in torchao 0.18 on CPU only the rceil mode
     compiles; floor is tried too and its failure printed as 'fails: <reason>').
@@ -33,8 +37,9 @@ from typing import Callable
 
 import torch
 
-from mxcompile.numerics import ELEM_FORMATS, ScaleMode
-from mxcompile.ops.quantize import QUANTIZE
+from mxcompile.numerics import ELEM_FORMATS, ScaleMode, scale_mode_named
+from mxcompile.ops.cpu_kernels import BlockLayout, compiled_dequantize, compiled_quantize, compiled_rounding
+from mxcompile.ops.quantize import DEQUANTIZE, FAKE_QUANTIZE, QUANTIZE
 
 TARGETS = {"quantize last axis": 0.5, "quantize first axis": 0.6, "quantize both axes": 1.0}
 # Issue 15: the last-axis quantizer should move bytes at least at this share of copy_'s rate.
@@ -83,12 +88,29 @@ def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int
     def both(t: torch.Tensor):
         return last(t), first(t)
 
+    mode = scale_mode_named(scale_mode)
+    graph_last = compiled_quantize(fmt, mode, block_size, BlockLayout.ROWS)
+    graph_first = compiled_quantize(fmt, mode, block_size, BlockLayout.COLUMNS)
+    graph_fake = compiled_rounding(fmt, mode, block_size, BlockLayout.ROWS, torch.bfloat16)
+    graph_dequantize = compiled_dequantize(block_size, BlockLayout.ROWS, torch.bfloat16)
+    data, scales = last(x)
+
     rows: list[Row] = []
     for name, fn, moved in (
         ("quantize last axis", last, in_bytes + q_bytes),
+        ("  compiled graph", graph_last, in_bytes + q_bytes),
         ("quantize first axis", first, in_bytes + q_bytes),
+        ("  compiled graph", lambda t: graph_first(t.view(1, n, n)), in_bytes + q_bytes),
         ("quantize both axes", both, in_bytes + 2 * q_bytes),
+        ("fake quantize last axis, bf16", lambda t: FAKE_QUANTIZE(t, 1, elem, scale_mode, block_size, t.dtype),
+         2 * in_bytes),
+        ("  compiled graph", graph_fake, 2 * in_bytes),
+        ("dequantize last axis, bf16", lambda t: DEQUANTIZE(data, scales, 1, block_size, t.dtype), in_bytes + q_bytes),
+        ("  compiled graph", lambda t: graph_dequantize(data, scales), in_bytes + q_bytes),
     ):
+        if fn(x) is None:  # a compiled graph declines operands under its compile threshold
+            rows.append(Row(name, None, 0, "no graph at this size (cpu_kernels.COMPILE_MIN_NUMEL)"))
+            continue
         rows.append(Row(name, _time(lambda: fn(x), repeats), moved))  # the first call compiles or loads
 
     rows.append(Row("x.clone()", _time(lambda: x.clone(), repeats), 2 * in_bytes))

@@ -3,8 +3,9 @@
 Every MX GEMM that does not run the Triton MX GEMM (all of them on CPU) becomes a
 high-precision GEMM of its exactly dequantized operands (`lower_mx_gemms`). On CPU the quantize
 ops (`mxcompile.ops.CPU_KERNEL_OPS`) then stay opaque: Inductor runs them as fallback kernels,
-whose CPU kernels are compiled graphs shared by every shape (`mxcompile.ops.cpu_kernels`), so
-Inductor does not generate and compile a quantize loop body per GEMM operand. On CUDA the ops
+whose CPU kernels are native (`mxcompile.ops.native`, built once per machine) or else compiled
+graphs shared by every shape (`mxcompile.ops.cpu_kernels`), so Inductor does not generate and
+compile a quantize loop body per GEMM operand. On CUDA the ops
 whose CUDA kernel is a Triton one (`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque, and the others
 are decomposed into their Inductor forms, which Inductor fuses into its Triton kernels. The
 graph then goes to Inductor's inner compiler.
@@ -152,7 +153,7 @@ def _operand(gm: fx.GraphModule, device: torch.device, args: tuple, cuda_form: C
              cpu_op: torch._ops.OpOverload) -> fx.Node:
     """A node computing one dequantized GEMM operand: on CUDA the Inductor form `cuda_form`,
     which `decompose_mx_ops` traces and Inductor fuses into its kernels; on CPU the op
-    `cpu_op`, which stays opaque (its CPU kernel is a compiled graph, `ops.cpu_kernels`), with
+    `cpu_op`, which stays opaque (its CPU kernels: `ops.native`, else `ops.cpu_kernels`), with
     its fake value where its inputs have theirs."""
     if device.type == "cuda":
         return gm.graph.call_function(cuda_form, args)

@@ -153,8 +153,8 @@ def _attention_rate() -> float:
 
 def quantize_rate_child() -> None:
     """Run in a child process by :func:`_compiled_quantize_rate`: print the input elements per
-    second of ``mxcompile::quantize`` on CPU (its CPU kernel, a compiled graph per block layout,
-    `ops.cpu_kernels`; along each axis of a ``CPU_QUANTIZE_SHAPE`` fp32 tensor, the mean of the
+    second of ``mxcompile::quantize`` on CPU (its CPU kernel: the native one, `ops.native`, or
+    else a compiled graph per block layout, `ops.cpu_kernels`; along each axis of a ``CPU_QUANTIZE_SHAPE`` fp32 tensor, the mean of the
     two times). The child inherits the parent's thread count through ``OMP_NUM_THREADS`` (set
     by the parent)."""
 

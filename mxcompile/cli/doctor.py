@@ -49,6 +49,8 @@ GPU_HINT = ("the MX Triton kernels are tuned for Hopper (sm90: FP8 tl.dot per sc
 KERNEL_FALLBACK_HINT = ("none needed for correctness (the PyTorch implementation gives the same MX values, "
                         "slower); for the Triton kernel, remove the reason given")
 NO_CUDA_KERNEL_HINT = "none needed for correctness; the Triton kernels need a CUDA GPU (see the CUDA line)"
+NATIVE_KERNELS_HINT = ("install a C++ compiler (g++ or clang; Inductor needs one on CPU too) or set CXX; "
+                       "the values are the same either way, the compiled graphs are slower")
 # Architecture names by compute-capability major (8.9 is Ada, the rest of 8.x Ampere).
 ARCHITECTURES = {7: "Volta/Turing", 8: "Ampere", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
 ADA_CAPABILITY = (8, 9)
@@ -213,6 +215,18 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     return checks
 
 
+def native_kernels_check() -> Check:
+    """Whether the quantize ops' native CPU kernels build on this machine (building them now
+    if they are not in the cache)."""
+    from ..ops.native.build import build
+
+    outcome = build()
+    if outcome.library is None:
+        return Check("native CPU kernels", False, f"the quantize ops run compiled graphs instead: {outcome.failure}",
+                     NATIVE_KERNELS_HINT, required=False)
+    return Check("native CPU kernels", True, f"quantize, fake quantize, dequantize: {outcome.path}", required=False)
+
+
 def corpus_check() -> Check:
     try:
         texts = examples.list_texts()
@@ -242,6 +256,7 @@ def all_checks() -> list[Check]:
         cuda,
         gpu_check(*gpu),
         *kernel_checks(device, MXConfig()),
+        native_kernels_check(),
         corpus_check(),
         plotting_check(),
     ]

@@ -1,7 +1,8 @@
 """Every `torch.library` op of mxcompile, one module per op family:
 
     quantize   mxcompile::quantize, mxcompile::dequantize, mxcompile::fake_quantize
-               (CPU kernels: cpu_kernels, their Inductor forms compiled once, dynamic sizes)
+               (CPU kernels: native, C++ built once per machine; else cpu_kernels, their
+               Inductor forms compiled once, dynamic sizes)
     mx_mm      mxcompile::mx_mm
     attention  mxcompile::attention, mxcompile::attention_backward
                (reference: attention_reference; eligibility: attention_checks)
@@ -11,13 +12,13 @@
 Each module holds the op's schema, its torch reference (built on `mxcompile.numerics`), its
 fake, its autograd where it has one, and its CUDA kernel, registered with
 `register_kernel("cuda")` (the Triton launchers of `mxcompile.triton_templates`, with the torch
-reference as the fallback); the quantize ops' CPU kernels are in `cpu_kernels`. The module
+reference as the fallback); the quantize ops' CPU kernels are in `native` and `cpu_kernels`. The module
 constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the overloads the graph passes insert;
 passes import them from here. `DECOMPOSITIONS` holds the Inductor forms the lowering decomposes
 the ops into where they are not kept opaque; `CUDA_KERNEL_OPS` the ops the CUDA lowering keeps
 opaque because their CUDA kernel is a Triton one (except the MX GEMMs, and their quantize nodes,
 that `mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS instead); `CPU_KERNEL_OPS` those
-the CPU lowering keeps opaque, their CPU kernels being compiled graphs.
+the CPU lowering keeps opaque, their CPU kernels being native code or compiled graphs.
 """
 
 from __future__ import annotations

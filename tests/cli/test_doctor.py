@@ -20,7 +20,8 @@ from mxcompile.examples.data import CORPUS_INSTALL_HINT
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 MISSING_PACKAGE = "no_such_package_for_mxcompile_tests"
 CHECK_NAMES = ("torch", "mxfp8 backend", "triton", "transformers", "CUDA", "GPU architecture", "MX quantize",
-               "MX GEMM", "attention forward", "attention backward", "demo corpus", "profile plots")
+               "MX GEMM", "attention forward", "attention backward", "native CPU kernels", "demo corpus",
+               "profile plots")
 LINE = re.compile(r"^(pass|FAIL|fail)  (\S.*?)\s{2,}(\S.*)$")
 
 
@@ -47,6 +48,7 @@ def test_every_check_has_a_line_and_every_failure_a_fix(capsys: pytest.CaptureFi
         assert (fix is None) == (status == "pass"), (name, status, fix)
     assert _status_and_fix(lines, "torch")[0] == "pass"
     assert _status_and_fix(lines, "mxfp8 backend")[0] == "pass"
+    assert _status_and_fix(lines, "native CPU kernels")[0] == "pass"  # this machine has g++
     assert lines[-1].startswith("All required checks pass")
     if not torch.cuda.is_available():
         for name in ("CUDA", "MX quantize", "MX GEMM", "attention forward", "attention backward"):
@@ -134,3 +136,16 @@ def test_a_failed_check_needs_a_fix() -> None:
         doctor.Check("x", False, "broken")
     with pytest.raises(ValueError, match="carries a fix"):
         doctor.Check("x", True, "fine", "do something")
+
+
+def test_native_kernels_that_cannot_be_built_fail_doctor_optionally_with_the_cause(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mxcompile.ops.native import build
+
+    failed = build.NativeBuild(None, failure="g++ failed (error: something)")
+    monkeypatch.setattr(build, "build", lambda: failed)
+    code, lines = _doctor(capsys)
+    assert code == 0
+    assert _status_and_fix(lines, "native CPU kernels") == ("fail", doctor.NATIVE_KERNELS_HINT)
+    assert any("error: something" in line for line in lines)

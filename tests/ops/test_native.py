@@ -164,7 +164,8 @@ def test_a_failed_build_is_reported_once_and_the_ops_still_run(monkeypatch, tmp_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger=build.__name__):
-        assert build.library.__wrapped__() is None
+        outcome = build.build.__wrapped__()
+    assert outcome.library is None and "no-such-compiler" in outcome.failure
     assert "cannot build the native quantize kernels" in caplog.text and "no-such-compiler" in caplog.text
     monkeypatch.setattr(native, "_kernels", lambda: None)
     x = torch.randn(8, 64)
@@ -178,6 +179,6 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(build, "SOURCE", broken)
     with caplog.at_level(logging.WARNING, logger=build.__name__):
-        assert build.library.__wrapped__() is None
+        assert build.build.__wrapped__().library is None
     assert "cannot build the native quantize kernels" in caplog.text and "error" in caplog.text
     assert not list((tmp_path / build.CACHE_SUBDIR).glob("*.partial"))

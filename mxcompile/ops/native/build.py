@@ -5,8 +5,8 @@ in milliseconds.
 The library is built for the CPU it runs on (-march=native: AVX512 where there is one), so the
 file name hashes the source, the compiler's version, the flags and the CPU's feature flags.
 Without a C++ compiler, or where the build fails, `library()` returns None once with a warning
-naming the cause; the quantize ops then run their other CPU kernels (`ops.cpu_kernels`), which
-need the same compiler.
+naming the cause (`build()` keeps it, for `mxcompile doctor`); the quantize ops then run their
+other CPU kernels (`ops.cpu_kernels`), which need the same compiler.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 _log = logging.getLogger(__name__)
@@ -80,18 +81,28 @@ def _build(compiler: str, flags: tuple[str, ...], path: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class NativeBuild:
+    """The outcome of building the kernels: the loaded library and its file, or why not."""
+
+    library: ctypes.CDLL | None
+    path: Path | None = None
+    failure: str | None = None
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The native kernels' shared library, built on first use; None where it cannot be built
-    or loaded (logged once, with the reason)."""
+def build() -> NativeBuild:
+    """Build (once per machine) and load the kernels' shared library; a failure is logged once,
+    with the reason."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 
     try:
         compiler = get_cpp_compiler()
     except InvalidCxxCompiler as error:
-        _log.warning("mxcompile: no C++ compiler for the native quantize kernels (%s)", error)
-        return None
+        failure = f"no C++ compiler ({error})"
+        _log.warning("mxcompile: cannot build the native quantize kernels: %s", failure)
+        return NativeBuild(None, failure=failure)
     reasons = []
     for flags in (FLAGS + (OPENMP_FLAG,), FLAGS):
         try:
@@ -104,9 +115,16 @@ def library() -> ctypes.CDLL | None:
                     continue
                 _log.info("mxcompile: built the native quantize kernels in %.1f s (%s)",
                           time.perf_counter() - start, path)
-            return ctypes.CDLL(str(path))
+            return NativeBuild(ctypes.CDLL(str(path)), path)
         except (OSError, subprocess.SubprocessError) as error:
             reasons.append(f"{' '.join(flags)}: {type(error).__name__}: {error}")
-    _log.warning("mxcompile: cannot build the native quantize kernels with %s (%s); the quantize ops "
-                 "run their compiled-graph CPU kernels instead", compiler, "; ".join(reasons))
-    return None
+    failure = f"{compiler} failed ({'; '.join(reasons)})"
+    _log.warning("mxcompile: cannot build the native quantize kernels: %s; the quantize ops run their "
+                 "compiled-graph CPU kernels instead", failure)
+    return NativeBuild(None, failure=failure)
+
+
+def library() -> ctypes.CDLL | None:
+    """The native kernels' shared library, built on first use; None where it cannot be built
+    or loaded."""
+    return build().library
