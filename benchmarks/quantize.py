@@ -102,10 +102,10 @@ def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int
         ("quantize first axis", first, in_bytes + q_bytes),
         ("  compiled graph", lambda t: graph_first(t.view(1, n, n)), in_bytes + q_bytes),
         ("quantize both axes", both, in_bytes + 2 * q_bytes),
-        ("fake quantize last axis, bf16", lambda t: FAKE_QUANTIZE(t, 1, elem, scale_mode, block_size, t.dtype),
+        ("fake quantize last axis", lambda t: FAKE_QUANTIZE(t, 1, elem, scale_mode, block_size, t.dtype),
          2 * in_bytes),
         ("  compiled graph", graph_fake, 2 * in_bytes),
-        ("dequantize last axis, bf16", lambda t: DEQUANTIZE(data, scales, 1, block_size, t.dtype), in_bytes + q_bytes),
+        ("dequantize last axis", lambda t: DEQUANTIZE(data, scales, 1, block_size, t.dtype), in_bytes + q_bytes),
         ("  compiled graph", lambda t: graph_dequantize(data, scales), in_bytes + q_bytes),
     ):
         if fn(x) is None:  # a compiled graph declines operands under its compile threshold

@@ -102,6 +102,25 @@ def test_columns_layout_equals_the_numerics_core(seed, batch, blocks, width, blo
     _check(x, 1, elem, mode, block_size)
 
 
+@pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
+def test_tiny_blocks_whose_dequantized_elements_are_fp32_subnormals(elem):
+    """Blocks with scales near 2**-127: their dequantized elements are fp32 subnormals, whose
+    conversion to bf16 rounds (the kernels truncate only under larger scales); fp32 inputs,
+    since bf16 and fp16 cannot hold such values, and blocks of growing magnitude, so that
+    rows and column strips mix both kinds."""
+    g = torch.Generator().manual_seed(11)
+    magnitudes = torch.exp2(torch.arange(-149, -85, 4, dtype=torch.float32))  # 16 magnitudes
+    x = torch.randn(16, 64, generator=g) * magnitudes[:, None]
+    for operand in (x, x.t().contiguous().view(1, 64, 16)):
+        _check(operand, 1, elem, ScaleMode.RCEIL, 32)
+        _check(operand, 1, elem, ScaleMode.FLOOR, 32)
+    # Both sides of the truncation bound: the smallest nonzero element 2**(emin - mantissa_bits)
+    # times the scale 2**(b - 127) is an fp32 normal from b = 10 (e4m3: 2**-9) or 17 (e5m2: 2**-16).
+    bound = {"e4m3": 10, "e5m2": 17}[elem]
+    _, scales = native.quantize(x, ELEM_FORMATS[elem], ScaleMode.RCEIL, 32)
+    assert scales.min() < bound < scales.max()
+
+
 def test_threads_split_the_work_without_changing_a_bit():
     """Operands past the kernels' parallel threshold run on torch's threads: the same bytes on
     one thread."""

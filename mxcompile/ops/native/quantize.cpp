@@ -203,14 +203,20 @@ inline f32v inverse_scale_from_bytes(i32v b) {
     return (f32v)(b == kE8M0Nan ? splat_u(kQuietNanBits) : bits);
 }
 
-// ---- elements (lanes of blocks with a finite scale; NaN blocks are written apart) ----
+// ---- elements ----
 
-// x * inverse clamped to +-max_normal (numerics.rounding.quantize_blocks). x * inverse is
-// finite in a block whose scale is, so min/max need no NaN rule.
+// x * inverse clamped to +-max_normal (numerics.rounding.quantize_blocks). Only the floor and
+// even rules need the clamp: rceil and ceil choose the scale so that amax * inverse <=
+// max_normal, and x * inverse, a power-of-two scaling, cannot round above it. Blocks whose
+// scale is NaN are overwritten afterwards, so min/max need no NaN rule.
+template <bool kClamp>
 inline f32v scaled_element(f32v x, f32v inverse, const MXFormat& f) {
     f32v v = x * inverse;
-    v = v < -f.max_normal ? splat(-f.max_normal) : v;
-    return v > f.max_normal ? splat(f.max_normal) : v;
+    if constexpr (kClamp) {
+        v = v < -f.max_normal ? splat(-f.max_normal) : v;
+        v = v > f.max_normal ? splat(f.max_normal) : v;
+    }
+    return v;
 }
 
 // numerics.rounding.round_to_element: Veltkamp's split in the normal range, the magic-number
@@ -223,17 +229,23 @@ inline f32v rounded_element(f32v v, const MXFormat& f) {
     return (f32v)(((u32v)magnitude & kAbsMask) | ((u32v)v & kSignMask));
 }
 
+// The constant of fp8_bytes' normal range: half an fp8 ulp less one (in fp32 mantissa units),
+// less the difference of the exponent biases in fp32's exponent field.
+inline int32_t fp8_rounding_offset(const MXFormat& f) {
+    const int dropped = kMantissaBits - f.mantissa_bits;
+    return ((1 << (dropped - 1)) - 1) - ((kF32ExponentBias - f.exponent_bias) << kMantissaBits);
+}
+
 // The fp8 byte nearest to v (|v| <= max_normal), ties to even: the fp8 cast, as integer
 // arithmetic on v's bits. Normal range: the fp32 mantissa rounded to mantissa_bits by adding
-// half an fp8 ulp less one plus the kept part's lowest bit, then the exponent re-biased.
-// Subnormal range: v + magic rounds |v| to a multiple of the subnormal quantum in the low
-// mantissa bits (the same addition as rounded_element), which are the byte's code.
-inline i32v fp8_bytes(f32v v, const MXFormat& f) {
+// half an fp8 ulp less one plus the kept part's lowest bit, the exponent re-biased by the same
+// addition (`offset`, fp8_rounding_offset). Subnormal range: v + magic rounds |v| to a multiple
+// of the subnormal quantum in the low mantissa bits (the addition of rounded_element), which
+// are the byte's code.
+inline i32v fp8_bytes(f32v v, int32_t offset, const MXFormat& f) {
     const int dropped = kMantissaBits - f.mantissa_bits;
     i32v magnitude = abs_bits(v);
-    i32v odd = (magnitude >> dropped) & 1;
-    i32v normal = ((magnitude + ((1 << (dropped - 1)) - 1) + odd) >> dropped)
-                  - ((127 - f.exponent_bias) << f.mantissa_bits);
+    i32v normal = (magnitude + offset + ((magnitude >> dropped) & 1)) >> dropped;
     i32v subnormal = (i32v)((f32v)magnitude + f.magic) - (i32v)splat(f.magic);
     i32v code = (f32v)magnitude < f.min_normal ? subnormal : normal;
     return code | (i32v)(((u32v)v >> 24) & 0x80u);
@@ -261,22 +273,93 @@ inline int32_t horizontal_max(i32v m) {
     return m[0];
 }
 
-// n lanes of a block from `index`, quantized with their scales: fp8 bytes into `out`, or for a
-// float kOut the dequantized values (fake quantization). Lanes whose scale is NaN are NaN:
-// fmt.nan_byte, or the quiet NaN that the reference's float arithmetic gives.
-template <int32_t kIn, int32_t kOut, bool kNanLanes>
-inline void quantize_lanes(const void* x, void* out, int64_t index, f32v scale, f32v inverse,
-                           i32v nan_lanes, const MXFormat& f, int n = kLanes) {
-    f32v v = scaled_element(load<kIn>(x, index, n), inverse, f);
-    if constexpr (kOut == FP8) {
-        i32v code = fp8_bytes(v, f);
-        if constexpr (kNanLanes) code = nan_lanes ? splat_i(f.nan_byte) : code;
-        store_bytes(static_cast<uint8_t*>(out), index, code, n);
+inline int32_t horizontal_min(i32v m) { return -horizontal_max(-m); }
+
+// The lane-wise amax of `count` vectors of n lanes at start, start + stride, ... as fp32 bit
+// patterns with the sign cleared. bf16 patterns with the sign cleared order like the values
+// too, so their maximum is taken on the 16-bit patterns, widened once at the end.
+template <int32_t kIn>
+inline i32v strip_amax(const void* x, int64_t start, int64_t stride, int64_t count, int n) {
+    if constexpr (kIn == BF16) {
+        u16v m{};
+        for (int64_t k = 0; k < count; ++k) {
+            u16v h{};
+            copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(x) + start + k * stride, n);
+            h &= (uint16_t)0x7FFF;
+            m = m > h ? m : h;
+        }
+        return (i32v)(__builtin_convertvector(m, u32v) << 16);
     } else {
-        f32v value = rounded_element(v, f) * scale;
-        if constexpr (kNanLanes) value = (f32v)(nan_lanes ? splat_i((int32_t)kQuietNanBits) : (i32v)value);
-        store<kOut>(out, index, value, n);
+        i32v m{};
+        for (int64_t k = 0; k < count; ++k) m = max_i(m, abs_bits(load<kIn>(x, start + k * stride, n)));
+        return m;
     }
+}
+
+// What a block (or a vector of column blocks) needs besides the common arithmetic.
+enum class Block {
+    kNan,            // some lanes have the NaN scale: their elements are NaN
+    kFinite,         // finite scales
+    kNormalResults,  // finite scales under which every nonzero dequantized element is a normal
+                     // fp32 value: its bf16 conversion is a truncation (exact: the value has
+                     // at most mantissa_bits + 1 significant bits)
+};
+
+// The smallest scale byte of Block::kNormalResults: the smallest nonzero element
+// 2**(emin - mantissa_bits) times the scale 2**(b - 127) is at least 2**-126 from b =
+// mantissa_bits + exponent_bias on (emin = 1 - exponent_bias).
+inline int32_t normal_results_min_byte(const MXFormat& f) { return f.mantissa_bits + f.exponent_bias; }
+
+// `count` vectors of a block's elements at start, start + stride, ..., quantized with their
+// scales: fp8 bytes into `out`, or for a float kOut the dequantized values (fake quantization).
+// NaN lanes get fmt.nan_byte, or the quiet NaN that the reference's float arithmetic gives.
+template <int32_t kIn, int32_t kOut, bool kClamp, Block kBlock>
+inline void quantize_strip(const void* x, void* out, int64_t start, int64_t stride, int64_t count, int n,
+                           f32v scale, f32v inverse, i32v nan_lanes, int32_t offset, const MXFormat& f) {
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t index = start + k * stride;
+        f32v v = scaled_element<kClamp>(load<kIn>(x, index, n), inverse, f);
+        if constexpr (kOut == FP8) {
+            i32v code = fp8_bytes(v, offset, f);
+            if constexpr (kBlock == Block::kNan) code = nan_lanes ? splat_i(f.nan_byte) : code;
+            store_bytes(static_cast<uint8_t*>(out), index, code, n);
+        } else {
+            f32v value = rounded_element(v, f) * scale;
+            if constexpr (kBlock == Block::kNan) value = (f32v)(nan_lanes ? splat_i((int32_t)kQuietNanBits) : (i32v)value);
+            if constexpr (kOut == BF16 && kBlock == Block::kNormalResults) {
+                u16v h = __builtin_convertvector((u32v)value >> 16, u16v);
+                copy_lanes<uint16_t>(static_cast<uint16_t*>(out) + index, &h, n);
+            } else {
+                store<kOut>(out, index, value, n);
+            }
+        }
+    }
+}
+
+template <int32_t kIn, int32_t kOut, bool kClamp>
+inline void quantize_strip(Block block, const void* x, void* out, int64_t start, int64_t stride, int64_t count,
+                           int n, f32v scale, f32v inverse, i32v nan_lanes, int32_t offset, const MXFormat& f) {
+    switch (block) {
+        case Block::kNan:
+            quantize_strip<kIn, kOut, kClamp, Block::kNan>(x, out, start, stride, count, n, scale, inverse, nan_lanes, offset, f);
+            break;
+        case Block::kFinite:
+            quantize_strip<kIn, kOut, kClamp, Block::kFinite>(x, out, start, stride, count, n, scale, inverse, nan_lanes, offset, f);
+            break;
+        case Block::kNormalResults:
+            quantize_strip<kIn, kOut, kClamp, Block::kNormalResults>(x, out, start, stride, count, n, scale, inverse, nan_lanes, offset, f);
+            break;
+    }
+}
+
+// The Block kind of lanes with these scale bytes (the first n lanes count).
+template <int32_t kOut>
+inline Block block_kind(i32v bytes, int n, const MXFormat& f) {
+    i32v used = bytes;
+    for (int lane = n; lane < kLanes; ++lane) used[lane] = bytes[0];
+    if (horizontal_max(used) == kE8M0Nan) return Block::kNan;
+    if (kOut == BF16 && horizontal_min(used) >= normal_results_min_byte(f)) return Block::kNormalResults;
+    return Block::kFinite;
 }
 
 // Work smaller than this many elements runs on the calling thread: an OpenMP parallel region
@@ -286,14 +369,14 @@ constexpr int64_t kParallelMinElements = 1 << 14;
 // ---- row layout: (rows, length), blocks of block_size consecutive elements along each row;
 // scales (rows, length / block_size). block_size is a multiple of 16. ----
 
-template <int32_t kIn, int32_t kOut>
+template <int32_t kIn, int32_t kOut, bool kClamp>
 void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int64_t length,
                    int64_t block_size, int threads, const MXFormat* format) {
     // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
     // format, which would reload its fields in every iteration.
     const MXFormat f = *format;
-    const int64_t blocks = length / block_size;
-    const i32v no_nan{};
+    const int32_t offset = fp8_rounding_offset(f);
+    const int64_t blocks = length / block_size, vectors = block_size / kLanes;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
     for (int64_t row = 0; row < rows; ++row) {
         const int64_t row_start = row * length;
@@ -302,26 +385,17 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
         for (int64_t first = 0; first < blocks; first += kLanes) {
             const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
             i32v amax{};
-            for (int j = 0; j < group; ++j) {
-                const int64_t start = row_start + (first + j) * block_size;
-                i32v m{};
-                for (int64_t k = 0; k < block_size; k += kLanes) m = max_i(m, abs_bits(load<kIn>(x, start + k)));
-                amax[j] = horizontal_max(m);
-            }
+            for (int j = 0; j < group; ++j)
+                amax[j] = horizontal_max(strip_amax<kIn>(x, row_start + (first + j) * block_size, kLanes, vectors, kLanes));
             const i32v bytes = scale_bytes(amax, f);
             const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
             store_bytes(scales, row * blocks + first, bytes, group);
             for (int j = 0; j < group; ++j) {
-                const int64_t start = row_start + (first + j) * block_size;
-                const bool nan_block = bytes[j] == kE8M0Nan;
-                const f32v block_scale = splat(scale[j]), block_inverse = splat(inverse[j]);
-                for (int64_t k = 0; k < block_size; k += kLanes) {
-                    if (nan_block) {
-                        quantize_lanes<kIn, kOut, true>(x, out, start + k, block_scale, block_inverse, splat_i(-1), f);
-                    } else {
-                        quantize_lanes<kIn, kOut, false>(x, out, start + k, block_scale, block_inverse, no_nan, f);
-                    }
-                }
+                const i32v block_bytes = splat_i(bytes[j]);
+                quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(block_bytes, kLanes, f), x, out,
+                                                  row_start + (first + j) * block_size, kLanes, vectors, kLanes,
+                                                  splat(scale[j]), splat(inverse[j]), block_bytes == kE8M0Nan,
+                                                  offset, f);
             }
         }
     }
@@ -331,34 +405,23 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
 // axis; scales (batch, length / block_size, width). A unit is one (batch, block) strip of
 // block_size rows; the lanes run along the width, so the amax is a vertical maximum. ----
 
-template <int32_t kIn, int32_t kOut>
+template <int32_t kIn, int32_t kOut, bool kClamp>
 void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, int64_t length,
                       int64_t width, int64_t block_size, int threads, const MXFormat* format) {
-    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
-    // format, which would reload its fields in every iteration.
+    // Private copies per thread (firstprivate): see quantize_rows.
     const MXFormat f = *format;
+    const int32_t offset = fp8_rounding_offset(f);
     const int64_t blocks = length / block_size, units = batch * blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
     for (int64_t unit = 0; unit < units; ++unit) {
         const int64_t start = ((unit / blocks) * length + (unit % blocks) * block_size) * width;
         for (int64_t column = 0; column < width; column += kLanes) {
             const int n = (int)(width - column < kLanes ? width - column : kLanes);
-            i32v amax{};
-            for (int64_t k = 0; k < block_size; ++k)
-                amax = max_i(amax, abs_bits(load<kIn>(x, start + k * width + column, n)));
-            const i32v bytes = scale_bytes(amax, f);
-            const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
-            const i32v nan_lanes = bytes == kE8M0Nan;
-            const bool any_nan = horizontal_max(nan_lanes & 1) != 0;
+            const i32v bytes = scale_bytes(strip_amax<kIn>(x, start + column, width, block_size, n), f);
             store_bytes(scales, unit * width + column, bytes, n);
-            for (int64_t k = 0; k < block_size; ++k) {
-                const int64_t index = start + k * width + column;
-                if (any_nan) {
-                    quantize_lanes<kIn, kOut, true>(x, out, index, scale, inverse, nan_lanes, f, n);
-                } else {
-                    quantize_lanes<kIn, kOut, false>(x, out, index, scale, inverse, nan_lanes, f, n);
-                }
-            }
+            quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes, n, f), x, out, start + column, width,
+                                              block_size, n, scale_from_bytes(bytes), inverse_scale_from_bytes(bytes),
+                                              bytes == kE8M0Nan, offset, f);
         }
     }
 }
@@ -368,12 +431,20 @@ void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, 
 // 2**(127 - exponent_bias): see fp8_values.
 inline float unbias_factor(const MXFormat& f) { return std::ldexp(1.0f, kF32ExponentBias - f.exponent_bias); }
 
-template <int32_t kOut>
+// kTruncate: bf16 results by truncation, exact where every nonzero result is a normal fp32
+// value (Block::kNormalResults; NaN stays NaN: its quiet bit is kept).
+template <int32_t kOut, bool kTruncate>
 inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v scale, float unbias,
                              const MXFormat& f, int n = kLanes) {
     u8v b{};
     copy_lanes<uint8_t>(&b, data + index, n);
-    store<kOut>(out, index, fp8_values(widen_bytes(b), unbias, f) * scale, n);
+    const f32v value = fp8_values(widen_bytes(b), unbias, f) * scale;
+    if constexpr (kTruncate) {
+        u16v h = __builtin_convertvector((u32v)value >> 16, u16v);
+        copy_lanes<uint16_t>(static_cast<uint16_t*>(out) + index, &h, n);
+    } else {
+        store<kOut>(out, index, value, n);
+    }
 }
 
 template <int32_t kOut>
@@ -387,9 +458,16 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int6
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
     for (int64_t row = 0; row < rows; ++row) {
         for (int64_t block = 0; block < blocks; ++block) {
-            const f32v scale = scale_from_bytes(splat_i(scales[row * blocks + block]));
+            const int32_t byte = scales[row * blocks + block];
+            const f32v scale = scale_from_bytes(splat_i(byte));
             const int64_t start = row * length + block * block_size;
-            for (int64_t k = 0; k < block_size; k += kLanes) dequantize_lanes<kOut>(data, out, start + k, scale, unbias, f);
+            if (kOut == BF16 && byte >= normal_results_min_byte(f)) {
+                for (int64_t k = 0; k < block_size; k += kLanes)
+                    dequantize_lanes<kOut, true>(data, out, start + k, scale, unbias, f);
+            } else {
+                for (int64_t k = 0; k < block_size; k += kLanes)
+                    dequantize_lanes<kOut, false>(data, out, start + k, scale, unbias, f);
+            }
         }
     }
 }
@@ -410,9 +488,15 @@ void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, i
             const int n = (int)(width - column < kLanes ? width - column : kLanes);
             u8v b{};
             copy_lanes<uint8_t>(&b, scales + unit * width + column, n);
-            const f32v scale = scale_from_bytes(widen_bytes(b));
-            for (int64_t k = 0; k < block_size; ++k)
-                dequantize_lanes<kOut>(data, out, start + k * width + column, scale, unbias, f, n);
+            const i32v bytes = widen_bytes(b);
+            const f32v scale = scale_from_bytes(bytes);
+            if (block_kind<kOut>(bytes, n, f) == Block::kNormalResults) {
+                for (int64_t k = 0; k < block_size; ++k)
+                    dequantize_lanes<kOut, true>(data, out, start + k * width + column, scale, unbias, f, n);
+            } else {
+                for (int64_t k = 0; k < block_size; ++k)
+                    dequantize_lanes<kOut, false>(data, out, start + k * width + column, scale, unbias, f, n);
+            }
         }
     }
 }
@@ -428,13 +512,32 @@ int dispatch_in_out(int32_t in, int32_t out, Args... args) {
     return 1;
 }
 
+// The floor and even rules need the elements clamped (see scaled_element); the others do not.
+inline bool needs_clamp(const MXFormat* format) {
+    return format->scale_mode == FLOOR || format->scale_mode == EVEN;
+}
+
 template <int32_t kIn, int32_t kOut>
 struct QuantizeRows {
-    template <typename... Args> static void run(Args... args) { quantize_rows<kIn, kOut>(args...); }
+    static void run(const void* x, void* out, uint8_t* scales, int64_t rows, int64_t length, int64_t block_size,
+                    int threads, const MXFormat* format) {
+        if (needs_clamp(format)) {
+            quantize_rows<kIn, kOut, true>(x, out, scales, rows, length, block_size, threads, format);
+        } else {
+            quantize_rows<kIn, kOut, false>(x, out, scales, rows, length, block_size, threads, format);
+        }
+    }
 };
 template <int32_t kIn, int32_t kOut>
 struct QuantizeColumns {
-    template <typename... Args> static void run(Args... args) { quantize_columns<kIn, kOut>(args...); }
+    static void run(const void* x, void* out, uint8_t* scales, int64_t batch, int64_t length, int64_t width,
+                    int64_t block_size, int threads, const MXFormat* format) {
+        if (needs_clamp(format)) {
+            quantize_columns<kIn, kOut, true>(x, out, scales, batch, length, width, block_size, threads, format);
+        } else {
+            quantize_columns<kIn, kOut, false>(x, out, scales, batch, length, width, block_size, threads, format);
+        }
+    }
 };
 
 }  // namespace
