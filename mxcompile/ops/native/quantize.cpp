@@ -2,25 +2,25 @@
 // mxcompile::fake_quantize and mxcompile::dequantize for contiguous operands.
 //
 // The same arithmetic as the numerics core (mxcompile/numerics), step for step, so the results
-// are equal bit for bit (tests/ops/test_native_kernels.py checks every path against the torch
-// reference):
+// are equal bit for bit (tests/ops/test_native.py checks every path against it):
 //   amax     the largest |x| of a block, as an integer maximum of the fp32 bit patterns with
 //            the sign cleared (finite values order as their bits; NaN patterns lie above Inf,
 //            so a NaN propagates as torch's amax does);
 //   scale    the E8M0 byte of `numerics.scales.scale_bytes_from_amax`, then the fp32 scale and
 //            inverse scale of `scale_fp32_from_bytes` / `inverse_scale_fp32_from_bytes`;
-//   elements x * inverse, clamped to +-max_normal, rounded to the element format by
-//            `numerics.rounding.round_to_element` (Veltkamp split in the normal range, the
-//            magic-number addition in the subnormal range), then either encoded as fp8 bytes
-//            (quantize) or multiplied by the scale and converted to the output dtype (fake
-//            quantize); every element of a NaN block (scale byte 0xFF) is NaN.
+//   elements x * inverse, clamped to +-max_normal (floor and even rules), then either encoded
+//            as the fp8 byte nearest to it (quantize: the fp8 cast, as integer arithmetic) or
+//            rounded to the element format by `numerics.rounding.round_to_element` (Veltkamp
+//            split in the normal range, the magic-number addition in the subnormal range),
+//            multiplied by the scale and converted to the output dtype (fake quantize); every
+//            element of a NaN block (scale byte 0xFF) is NaN.
 //
 // Written with GCC/Clang vector extensions (16 fp32 lanes), not intrinsics: the compiler emits
 // AVX512 where the CPU has it and splits the vectors elsewhere. Built with -ffp-contract=off:
 // a fused multiply-add would change the rounding tricks' results.
 //
-// Each entry point processes a range [begin, end) of independent units (rows of blocks, or
-// (batch, block) strips of the column layout), so the caller splits the work across threads.
+// Each entry point takes a whole operand and splits its rows (or (batch, block) strips of the
+// column layout) across `threads` OpenMP threads; small operands run on the calling thread.
 
 #include <stdint.h>
 #include <string.h>
