@@ -265,11 +265,12 @@ inline f32v fp8_values(i32v code, float unbias, const MXFormat& f) {
     return (f32v)(special | ((code & 0x80) << 24));
 }
 
+// __builtin_shufflevector: Clang's, and GCC's from version 12.
 inline int32_t horizontal_max(i32v m) {
-    m = max_i(m, __builtin_shuffle(m, i32v{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    m = max_i(m, __builtin_shuffle(m, i32v{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    m = max_i(m, __builtin_shuffle(m, i32v{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    m = max_i(m, __builtin_shuffle(m, i32v{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    m = max_i(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    m = max_i(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    m = max_i(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    m = max_i(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
     return m[0];
 }
 
