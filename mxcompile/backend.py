@@ -39,6 +39,7 @@ from .coverage import warn_uncompiled
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
+from .ops.native import build as native_build
 from .passes import PassError, run_partition_stage, run_pipeline
 from .passes.graph_facts import GraphInfo, concrete_int
 from .passes.meta_keys import GRAPH_INFO_KEY
@@ -275,6 +276,8 @@ def mxfp8_backend(
     if config is not None and options:
         raise ValueError("give either config or options to the mxfp8 backend, not both")
     config = config if config is not None else MXConfig.from_options(options)
+    if any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs):
+        native_build.build_in_background()  # the quantize ops' CPU kernels, while this graph compiles
     return compile_and_record(gm, example_inputs, config)
 
 

@@ -190,7 +190,7 @@ def test_a_failed_build_is_reported_once_and_the_ops_still_run(monkeypatch, tmp_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger=build.__name__):
-        outcome = build.build.__wrapped__()
+        outcome = build._build_once.__wrapped__()
     assert outcome.library is None and "no-such-compiler" in outcome.failure
     assert "cannot build the native quantize kernels" in caplog.text and "no-such-compiler" in caplog.text
     monkeypatch.setattr(native, "_kernels", lambda: None)
@@ -205,6 +205,22 @@ def test_a_compile_error_is_reported_with_the_compilers_message(monkeypatch, tmp
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(build, "SOURCE", broken)
     with caplog.at_level(logging.WARNING, logger=build.__name__):
-        assert build.build.__wrapped__().library is None
+        assert build._build_once.__wrapped__().library is None
     assert "cannot build the native quantize kernels" in caplog.text and "error" in caplog.text
     assert not list((tmp_path / build.CACHE_SUBDIR).glob("*.partial"))
+
+
+def test_a_background_build_and_a_call_build_once(monkeypatch):
+    """The backend starts the build in a thread; the first op's call waits for it and gets the
+    same outcome, and nothing starts a second build."""
+    import functools
+    import threading
+
+    calls = []
+    outcome = build.NativeBuild(None, failure="stand-in")
+    monkeypatch.setattr(build, "_build_once", functools.cache(lambda: calls.append(threading.current_thread().name) or outcome))
+    build.build_in_background()
+    assert build.build() is outcome
+    build.build_in_background()  # built: no thread
+    assert build.build() is outcome
+    assert len(calls) == 1

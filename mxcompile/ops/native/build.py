@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,10 +91,26 @@ class NativeBuild:
     failure: str | None = None
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()
+
+
 def build() -> NativeBuild:
     """Build (once per machine) and load the kernels' shared library; a failure is logged once,
-    with the reason."""
+    with the reason. A call while `build_in_background` builds waits for that build."""
+    with _BUILD_LOCK:
+        return _build_once()
+
+
+def build_in_background() -> None:
+    """Start `build` in a daemon thread unless it has run: the backend calls this when it
+    compiles a CPU graph, so that a first build (about 4 s on 2 cores) overlaps the graph's
+    compilation instead of delaying the first quantize op."""
+    if _build_once.cache_info().currsize == 0 and not _BUILD_LOCK.locked():
+        threading.Thread(target=build, name="mxcompile-native-build", daemon=True).start()
+
+
+@functools.cache
+def _build_once() -> NativeBuild:
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 
