@@ -251,3 +251,20 @@ def test_options_map_onto_mxconfig_and_bad_options_list_what_is_accepted(two_lin
         mxcompile.backend.mxfp8_backend(None, [], options={"block_size": 32}, config=MXConfig())
     with pytest.raises(ValueError, match="sets backend and options itself"):
         mxcompile.compile(two_linear, backend="inductor")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_compiling_a_cpu_graph_starts_building_the_native_kernels(monkeypatch, device):
+    """The backend starts the quantize ops' native CPU kernels' build in the background when it
+    compiles a graph with CPU inputs (it then overlaps the compilation), and not otherwise."""
+    import torch.fx as fx
+
+    import mxcompile.backend as backend
+    from mxcompile.ops.native import build
+
+    started = []
+    monkeypatch.setattr(build, "build_in_background", lambda: started.append(True))
+    monkeypatch.setattr(backend, "compile_and_record", lambda gm, inputs, config: gm)  # no compile
+    gm = fx.symbolic_trace(lambda x: x * 2)
+    assert backend.mxfp8_backend(gm, [torch.ones(2, device=device)]) is gm
+    assert started == ([True] if device == "cpu" else [])
