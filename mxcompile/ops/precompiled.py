@@ -1,7 +1,8 @@
 """Small compiled functions saved to disk, so that later processes load them without tracing.
 
-The quantize ops' CPU kernels (`ops.cpu_kernels`: the attention op's rounding and the
-quantize ops inside compiled graphs) run inside ops that Inductor cannot see, so they are
+The quantize ops' compiled-graph CPU kernels (`ops.cpu_kernels`, where the native kernels of
+`ops.native` cannot run: the attention op's rounding and the quantize ops inside compiled
+graphs) run inside ops that Inductor cannot see, so they are
 compiled by a `torch.compile` of their own. Inductor's FX graph cache and the AOTAutograd cache
 make a warm start skip code generation, but Dynamo still traces each function in every process:
 about 0.5 s per graph on the 2-core CPU, three graphs per training step when only the attention

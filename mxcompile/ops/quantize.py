@@ -8,7 +8,8 @@ Each op has its torch reference (the numerics core, `mxcompile.numerics`) and it
 has a CUDA kernel registered with `register_kernel("cuda")`: the Triton quantize kernel of
 `mxcompile.triton_templates` where it supports the call, the torch reference otherwise. Eager
 calls and Inductor's fallback kernels reach that CUDA kernel alike, so the lowering keeps the
-op opaque on CUDA. Their CPU kernels (`ops.cpu_kernels`) run the Inductor forms defined here
+op opaque on CUDA. Their CPU kernels (`ops.cpu_kernels`) run the native kernels
+(`ops.native`), and where those cannot run the Inductor forms defined here
 (`quantize_for_inductor`'s arithmetic, `numerics.fake_quantize_along` and `dequantize_along`
 with their block scales stored once per block), compiled once with dynamic sizes; the CPU
 lowering keeps the ops opaque too. On CUDA the forms with fp8 casts (`quantize_with_casts`,
