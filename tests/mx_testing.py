@@ -64,3 +64,19 @@ def special_quantize_data(shape=(96, 128), seed=0) -> torch.Tensor:
     x[4, :8] = 448.0 * torch.tensor([1, -1, 1.03, -1.07, 1.1, 0.99, 2 ** -20, -(2 ** -24)])
     x[5, 3] = 1.5 * 2.0**-140
     return x
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns, as the integer dtype of its width."""
+    return t.view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, except that any NaN matches any NaN: a NaN's payload is not part of
+    the answer. ATen's conversions do not agree on it (fp32 -> bf16: 0xFFFF vectorized, 0x7FC0
+    scalar; fp32 -> fp16: 0x7E00 and 0x7F80 within one tensor, body and tail), nor do Inductor's
+    and eager fp8 conversions (e5m2 0x7F -> 0x7FE00000 vectorized, the default NaN eagerly)."""
+    return a.dtype == b.dtype and bool(((bits(a) == bits(b)) | (a.isnan() & b.isnan())).all())

@@ -12,25 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mx_testing import bits, same_floats, special_quantize_data
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, fake_quantize_along, quantize_along
 from mxcompile.ops import native
 from mxcompile.ops.native import build
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 SPECIALS = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-40, -3e-39, 448.0, -500.0, 3e38, 65504.0)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_SAME_WIDTH_INT[t.element_size()])
-
-
-def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns, except that any NaN matches any NaN: the reference's own NaN
-    payloads differ between ATen's vectorized conversions and their scalar tails (fp16 0x7E00
-    and 0x7F80 within one tensor), so a NaN's payload is not part of the answer. (The fp8
-    data's NaN byte is: it is compared exactly.)"""
-    return bool(((_bits(a) == _bits(b)) | (a.isnan() & b.isnan())).all())
 
 
 def _operand(seed: int, shape: tuple[int, ...], dtype: torch.dtype, specials: int, narrow: bool = False) -> torch.Tensor:
@@ -58,13 +46,13 @@ def _check(x: torch.Tensor, axis: int, elem: str, mode: ScaleMode, block_size: i
     want_data, want_scales = quantize_along(x, axis, fmt, mode, block_size)
     data, scales = native.quantize(x, fmt, mode, block_size)
     assert torch.equal(scales, want_scales), "scales"
-    assert torch.equal(_bits(data), _bits(want_data)), "data"
+    assert torch.equal(bits(data), bits(want_data)), "data"
     rounded = fake_quantize_along(x, axis, fmt, mode, block_size)
     for dtype in INPUT_DTYPES:
         fake = native.fake_quantize(x, fmt, mode, block_size, dtype)
-        assert _same_floats(fake, rounded.to(dtype)), f"fake quantize as {dtype}"
+        assert same_floats(fake, rounded.to(dtype)), f"fake quantize as {dtype}"
         values = native.dequantize(data, scales, block_size, dtype)
-        assert _same_floats(values, dequantize_along(want_data, want_scales, axis, block_size, dtype)), \
+        assert same_floats(values, dequantize_along(want_data, want_scales, axis, block_size, dtype)), \
             f"dequantize as {dtype}"
 
 
@@ -110,6 +98,19 @@ def test_columns_layout_equals_the_numerics_core(seed, batch, blocks, width, blo
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
+def test_the_quantization_edge_cases_equal_the_numerics_core(elem):
+    """The fixed edge cases the compiled graphs are checked on (a zero block with -0.0, NaN,
+    Inf, a block below fp32's normal range, e4m3's saturation boundary, a subnormal midpoint),
+    under every scale rule, in both layouts and every input dtype."""
+    x = special_quantize_data()
+    for dtype in INPUT_DTYPES:
+        operand = x.to(dtype)
+        for mode in ScaleMode:
+            _check(operand, 1, elem, mode, 32)  # rows: blocks along the last axis
+            _check(operand.view(1, *operand.shape), 1, elem, mode, 32)  # columns: along the first
+
+
+@pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 def test_tiny_blocks_whose_dequantized_elements_are_fp32_subnormals(elem):
     """Blocks with scales near 2**-127: their dequantized elements are fp32 subnormals, whose
     conversion to bf16 rounds (the kernels truncate only under larger scales); fp32 inputs,
@@ -144,7 +145,7 @@ def test_threads_split_the_work_without_changing_a_bit():
             torch.set_num_threads(threads)
     one_thread, threads_ = results
     for (one_data, one_scales), (data, scales) in zip(one_thread, threads_, strict=True):
-        assert torch.equal(_bits(one_data), _bits(data)) and torch.equal(one_scales, scales)
+        assert torch.equal(bits(one_data), bits(data)) and torch.equal(one_scales, scales)
 
 
 def test_cases_the_kernels_do_not_handle_return_none():
@@ -175,7 +176,7 @@ def test_the_ops_cpu_kernels_run_the_native_kernels_at_every_size(monkeypatch):
         data, scales = torch.ops.mxcompile.quantize(x, axis, "e4m3", "rceil", 32)
         want_data, want_scales = quantize_along(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
         assert data.stride() == x.stride() and scales.is_contiguous()
-        assert torch.equal(_bits(data), _bits(want_data)) and torch.equal(scales, want_scales)
+        assert torch.equal(bits(data), bits(want_data)) and torch.equal(scales, want_scales)
         fake = torch.ops.mxcompile.fake_quantize(x, axis, "e4m3", "rceil", 32, torch.bfloat16)
         assert fake.stride() == x.stride()
         assert torch.equal(fake, fake_quantize_along(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32).bfloat16())

@@ -15,6 +15,7 @@ from mxcompile.ops.quantize import (
     quantize_for_inductor,
 )
 from mxcompile.numerics import ELEM_FORMATS, ScaleMode, dequantize_along, quantize_along
+from mx_testing import same_floats
 from mx_testing import special_quantize_data as _special_data
 
 # opcheck's schema test compares inputs bitwise with an op that fp8 tensors lack in torch 2.13
@@ -26,14 +27,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, but any NaN equals any NaN: Inductor's vectorized fp8 conversion keeps a
-    NaN's payload (e5m2 0x7F -> 0x7FE00000) where the eager one gives the default NaN."""
-    as_int = _SAME_WIDTH_INT[a.dtype]
-    return bool(((a.view(as_int) == b.view(as_int)) | (a.isnan() & b.isnan())).all())
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
@@ -58,8 +51,8 @@ def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch, w
         data, scale = QUANTIZE(operand, axis, elem, scale_mode.value, 32)
         assert _same_bits(scale, want_scale), case
         assert _same_bits(data, want_data), case
-        assert _same_values(FAKE_QUANTIZE(operand, axis, elem, scale_mode.value, 32, torch.float32), want), case
-        assert _same_values(DEQUANTIZE(data, scale, axis, 32, torch.float32), want), case
+        assert same_floats(FAKE_QUANTIZE(operand, axis, elem, scale_mode.value, 32, torch.float32), want), case
+        assert same_floats(DEQUANTIZE(data, scale, axis, 32, torch.float32), want), case
     # A transposed-contiguous operand (a linear layer's weight as its GEMM sees it) is taken in
     # its memory order (the ROWS graph above), its outputs in the layouts the fakes give.
     weight_t = x.t().contiguous().t()
@@ -69,7 +62,7 @@ def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch, w
     assert _same_bits(data, want_data) and _same_bits(scale, want_scale)
     fake = FAKE_QUANTIZE(weight_t, 0, elem, "rceil", 32, torch.float32)
     assert fake.stride() == weight_t.stride()
-    assert _same_values(fake, dequantize_along(want_data, want_scale, 0, 32, torch.float32))
+    assert same_floats(fake, dequantize_along(want_data, want_scale, 0, 32, torch.float32))
 
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
@@ -111,7 +104,7 @@ def test_inductor_dequantize_is_bit_identical_to_the_numerics_core(elem):
     want = (dequantize_along(*row, 1, 32, torch.bfloat16), dequantize_along(*col, 0, 32, torch.float32),
             dequantize_along(transposed, transposed_scale, 0, 32, torch.float32))
     for name, g, w in zip(("last axis", "first axis", "transposed"), got, want):
-        assert _same_values(g, w), name
+        assert same_floats(g, w), name
 
 
 # Ops that Inductor's CPU code runs element by element (a scalar loop over a vector's lanes):
@@ -272,7 +265,7 @@ def test_medium_operands_run_a_graph_at_hand_and_never_compile_one(monkeypatch, 
 
     def check(x):
         want = dequantize_along(*quantize_along(x, 1, fmt, ScaleMode.CEIL, 64), 1, 64, torch.float32)
-        assert _same_values(FAKE_QUANTIZE(x, 1, "e5m2", "ceil", 64, torch.float32), want)
+        assert same_floats(FAKE_QUANTIZE(x, 1, "e5m2", "ceil", 64, torch.float32), want)
 
     check(medium)
     assert runs == []

@@ -6,7 +6,7 @@ arithmetic as the numerics core, bit for bit.
     dequantize(data, scales, block_size, dtype)    -> data * scale as dtype, or None
 
 Operands are contiguous and in one of the two block layouts of `ops.cpu_kernels`: 2-D (rows,
-length) with blocks along each row (block_size a multiple of 16), or 3-D (batch, length,
+length) with blocks along each row (block_size a multiple of ROW_BLOCK_MULTIPLE, 16), or 3-D (batch, length,
 width) with blocks along the middle axis; scales are (rows, length / block_size) or (batch,
 length / block_size, width). None: the library could not be built (`build.library`) or the
 case is not one it handles; the caller then runs another kernel.
@@ -37,6 +37,9 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FP8_CODE = 3
 _SCALE_MODE_CODES = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 _FORMATS_BY_DTYPE = {fmt.dtype: fmt for fmt in ELEM_FORMATS.values()}
+# Blocks along rows are whole vectors of quantize.cpp's kLanes lanes (its row entry points
+# return 1 otherwise); checked here too, before the outputs are allocated.
+ROW_BLOCK_MULTIPLE = 16
 
 
 class _MXFormat(ctypes.Structure):
@@ -107,7 +110,7 @@ def available() -> bool:
 
 def _handles(x: torch.Tensor, block_size: int) -> bool:
     return (x.device.type == "cpu" and x.is_contiguous() and x.ndim in (2, 3)
-            and (x.ndim == 3 or block_size % 16 == 0) and x.numel() > 0)
+            and (x.ndim == 3 or block_size % ROW_BLOCK_MULTIPLE == 0) and x.numel() > 0)
 
 
 def _blocks_shape(x: torch.Tensor, block_size: int) -> list[int]:

@@ -353,15 +353,29 @@ inline void quantize_strip(Block block, const void* x, void* out, int64_t start,
     }
 }
 
+// The Block kind of blocks whose scale bytes lie in [smallest, largest].
+template <int32_t kOut>
+inline Block block_kind(int32_t smallest, int32_t largest, const MXFormat& f) {
+    if (largest == kE8M0Nan) return Block::kNan;
+    if (kOut == BF16 && smallest >= normal_results_min_byte(f)) return Block::kNormalResults;
+    return Block::kFinite;
+}
+
 // The Block kind of lanes with these scale bytes (the first n lanes count).
 template <int32_t kOut>
 inline Block block_kind(i32v bytes, int n, const MXFormat& f) {
     i32v used = bytes;
     for (int lane = n; lane < kLanes; ++lane) used[lane] = bytes[0];
-    if (horizontal_max(used) == kE8M0Nan) return Block::kNan;
-    if (kOut == BF16 && horizontal_min(used) >= normal_results_min_byte(f)) return Block::kNormalResults;
-    return Block::kFinite;
+    return block_kind<kOut>(horizontal_min(used), horizontal_max(used), f);
 }
+
+// The first element of a column-layout unit: the (batch, block) strip of block_size rows.
+inline int64_t unit_start(int64_t unit, int64_t blocks, int64_t length, int64_t block_size, int64_t width) {
+    return ((unit / blocks) * length + (unit % blocks) * block_size) * width;
+}
+
+// The lanes of the vector at `column` of a row of `width` elements (the last may be partial).
+inline int lanes_at(int64_t column, int64_t width) { return (int)(width - column < kLanes ? width - column : kLanes); }
 
 // Work smaller than this many elements runs on the calling thread: an OpenMP parallel region
 // costs a few microseconds, about what 2**14 elements take.
@@ -392,10 +406,9 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
             const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
             store_bytes(scales, row * blocks + first, bytes, group);
             for (int j = 0; j < group; ++j) {
-                const i32v block_bytes = splat_i(bytes[j]);
-                quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(block_bytes, kLanes, f), x, out,
+                quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out,
                                                   row_start + (first + j) * block_size, kLanes, vectors, kLanes,
-                                                  splat(scale[j]), splat(inverse[j]), block_bytes == kE8M0Nan,
+                                                  splat(scale[j]), splat(inverse[j]), splat_i(bytes[j]) == kE8M0Nan,
                                                   offset, f);
             }
         }
@@ -415,9 +428,9 @@ void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, 
     const int64_t blocks = length / block_size, units = batch * blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
     for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t start = ((unit / blocks) * length + (unit % blocks) * block_size) * width;
+        const int64_t start = unit_start(unit, blocks, length, block_size, width);
         for (int64_t column = 0; column < width; column += kLanes) {
-            const int n = (int)(width - column < kLanes ? width - column : kLanes);
+            const int n = lanes_at(column, width);
             const i32v bytes = scale_bytes(strip_amax<kIn>(x, start + column, width, block_size, n), f);
             store_bytes(scales, unit * width + column, bytes, n);
             quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes, n, f), x, out, start + column, width,
@@ -436,7 +449,7 @@ inline float unbias_factor(const MXFormat& f) { return std::ldexp(1.0f, kF32Expo
 // value (Block::kNormalResults; NaN stays NaN: its quiet bit is kept).
 template <int32_t kOut, bool kTruncate>
 inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v scale, float unbias,
-                             const MXFormat& f, int n = kLanes) {
+                             const MXFormat& f, int n) {
     u8v b{};
     copy_lanes<uint8_t>(&b, data + index, n);
     const f32v value = fp8_values(widen_bytes(b), unbias, f) * scale;
@@ -448,11 +461,21 @@ inline void dequantize_lanes(const uint8_t* data, void* out, int64_t index, f32v
     }
 }
 
+// `count` vectors of n lanes at start, start + stride, ... dequantized with their scales.
+template <int32_t kOut>
+inline void dequantize_strip(Block block, const uint8_t* data, void* out, int64_t start, int64_t stride,
+                             int64_t count, int n, f32v scale, float unbias, const MXFormat& f) {
+    if (block == Block::kNormalResults) {
+        for (int64_t k = 0; k < count; ++k) dequantize_lanes<kOut, true>(data, out, start + k * stride, scale, unbias, f, n);
+    } else {
+        for (int64_t k = 0; k < count; ++k) dequantize_lanes<kOut, false>(data, out, start + k * stride, scale, unbias, f, n);
+    }
+}
+
 template <int32_t kOut>
 void dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int64_t rows,
                      int64_t length, int64_t block_size, int threads, const MXFormat* format) {
-    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
-    // format, which would reload its fields in every iteration.
+    // Private copies per thread (firstprivate): see quantize_rows.
     const MXFormat f = *format;
     const float unbias = unbias_factor(f);
     const int64_t blocks = length / block_size;
@@ -460,15 +483,8 @@ void dequantize_rows(const uint8_t* data, const uint8_t* scales, void* out, int6
     for (int64_t row = 0; row < rows; ++row) {
         for (int64_t block = 0; block < blocks; ++block) {
             const int32_t byte = scales[row * blocks + block];
-            const f32v scale = scale_from_bytes(splat_i(byte));
-            const int64_t start = row * length + block * block_size;
-            if (kOut == BF16 && byte >= normal_results_min_byte(f)) {
-                for (int64_t k = 0; k < block_size; k += kLanes)
-                    dequantize_lanes<kOut, true>(data, out, start + k, scale, unbias, f);
-            } else {
-                for (int64_t k = 0; k < block_size; k += kLanes)
-                    dequantize_lanes<kOut, false>(data, out, start + k, scale, unbias, f);
-            }
+            dequantize_strip<kOut>(block_kind<kOut>(byte, byte, f), data, out, row * length + block * block_size, kLanes,
+                                   block_size / kLanes, kLanes, scale_from_bytes(splat_i(byte)), unbias, f);
         }
     }
 }
@@ -477,27 +493,20 @@ template <int32_t kOut>
 void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, int64_t batch,
                         int64_t length, int64_t width, int64_t block_size, int threads,
                         const MXFormat* format) {
-    // Private copies per thread (firstprivate): the byte stores may alias the memory of a shared
-    // format, which would reload its fields in every iteration.
+    // Private copies per thread (firstprivate): see quantize_rows.
     const MXFormat f = *format;
     const float unbias = unbias_factor(f);
     const int64_t blocks = length / block_size, units = batch * blocks;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
     for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t start = ((unit / blocks) * length + (unit % blocks) * block_size) * width;
+        const int64_t start = unit_start(unit, blocks, length, block_size, width);
         for (int64_t column = 0; column < width; column += kLanes) {
-            const int n = (int)(width - column < kLanes ? width - column : kLanes);
+            const int n = lanes_at(column, width);
             u8v b{};
             copy_lanes<uint8_t>(&b, scales + unit * width + column, n);
             const i32v bytes = widen_bytes(b);
-            const f32v scale = scale_from_bytes(bytes);
-            if (block_kind<kOut>(bytes, n, f) == Block::kNormalResults) {
-                for (int64_t k = 0; k < block_size; ++k)
-                    dequantize_lanes<kOut, true>(data, out, start + k * width + column, scale, unbias, f, n);
-            } else {
-                for (int64_t k = 0; k < block_size; ++k)
-                    dequantize_lanes<kOut, false>(data, out, start + k * width + column, scale, unbias, f, n);
-            }
+            dequantize_strip<kOut>(block_kind<kOut>(bytes, n, f), data, out, start + column, width, block_size, n,
+                                   scale_from_bytes(bytes), unbias, f);
         }
     }
 }
