@@ -121,12 +121,20 @@ inline void copy_lanes(void* destination, const void* source, int n) {
     }
 }
 
+// bf16 bit patterns as the fp32 bit patterns of the same values (shifted into the upper half):
+// each pattern interleaved with a zero below it. Not __builtin_convertvector(h, u32v) << 16,
+// which GCC 12 splits into two half-width conversions.
+inline u32v fp32_bits_from_bf16(u16v h) {
+    return (u32v)__builtin_shufflevector(u16v{}, h, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0, 22, 0, 23,
+                                         0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31);
+}
+
 template <int32_t kDtype>
 inline f32v load(const void* base, int64_t index, int n = kLanes) {
     if constexpr (kDtype == BF16) {
         u16v h{};
         copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(base) + index, n);
-        return (f32v)(__builtin_convertvector(h, u32v) << 16);
+        return (f32v)fp32_bits_from_bf16(h);
     } else if constexpr (kDtype == F16) {
         u16v h{};
         copy_lanes<uint16_t>(&h, static_cast<const uint16_t*>(base) + index, n);
@@ -276,6 +284,34 @@ inline int32_t horizontal_max(i32v m) {
 
 inline int32_t horizontal_min(i32v m) { return -horizontal_max(-m); }
 
+// Lane j of the result: the maximum of the lanes of m[j], for 16 vectors at once. A tree of 15
+// pairwise merges (a horizontal_max per vector takes 64): each level packs two vectors of
+// partial maxima into one, the first halves of their lane groups beside the second halves
+// (both shuffles), so one max halves the partials per vector. Lanes per vector: 16, 8, 4, 2, 1.
+inline i32v merge16(i32v a, i32v b) {
+    return max_i(__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+}
+inline i32v merge8(i32v a, i32v b) {
+    return max_i(__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+}
+inline i32v merge4(i32v a, i32v b) {
+    return max_i(__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                 __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+}
+inline i32v merge2(i32v a, i32v b) {
+    return max_i(__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                 __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
+}
+inline i32v lane_maxima(const i32v (&m)[kLanes]) {
+    i32v eight[8], four[4], two[2];
+    for (int j = 0; j < 8; ++j) eight[j] = merge16(m[2 * j], m[2 * j + 1]);
+    for (int j = 0; j < 4; ++j) four[j] = merge8(eight[2 * j], eight[2 * j + 1]);
+    for (int j = 0; j < 2; ++j) two[j] = merge4(four[2 * j], four[2 * j + 1]);
+    return merge2(two[0], two[1]);
+}
+
 // The lane-wise amax of `count` vectors of n lanes at start, start + stride, ... as fp32 bit
 // patterns with the sign cleared. bf16 patterns with the sign cleared order like the values
 // too, so their maximum is taken on the 16-bit patterns, widened once at the end.
@@ -289,7 +325,7 @@ inline i32v strip_amax(const void* x, int64_t start, int64_t stride, int64_t cou
             h &= (uint16_t)0x7FFF;
             m = m > h ? m : h;
         }
-        return (i32v)(__builtin_convertvector(m, u32v) << 16);
+        return (i32v)fp32_bits_from_bf16(m);
     } else {
         i32v m{};
         for (int64_t k = 0; k < count; ++k) m = max_i(m, abs_bits(load<kIn>(x, start + k * stride, n)));
@@ -399,10 +435,10 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
         // elements, each block with its scale broadcast (its data still in L1).
         for (int64_t first = 0; first < blocks; first += kLanes) {
             const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
-            i32v amax{};
+            i32v partial[kLanes] = {};
             for (int j = 0; j < group; ++j)
-                amax[j] = horizontal_max(strip_amax<kIn>(x, row_start + (first + j) * block_size, kLanes, vectors, kLanes));
-            const i32v bytes = scale_bytes(amax, f);
+                partial[j] = strip_amax<kIn>(x, row_start + (first + j) * block_size, kLanes, vectors, kLanes);
+            const i32v bytes = scale_bytes(lane_maxima(partial), f);
             const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
             store_bytes(scales, row * blocks + first, bytes, group);
             for (int j = 0; j < group; ++j) {
