@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include <cmath>
+#include <utility>
 
 namespace {
 
@@ -288,28 +289,26 @@ inline int32_t horizontal_min(i32v m) { return -horizontal_max(-m); }
 // pairwise merges (a horizontal_max per vector takes 64): each level packs two vectors of
 // partial maxima into one, the first halves of their lane groups beside the second halves
 // (both shuffles), so one max halves the partials per vector. Lanes per vector: 16, 8, 4, 2, 1.
-inline i32v merge16(i32v a, i32v b) {
-    return max_i(__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+// The lane of [a, b] (32 lanes) that result lane `lane` of a merge takes when a and b hold
+// groups of kWidth partial maxima: the first half of each group, all groups in order.
+template <int kWidth>
+constexpr int first_half_lane(int lane) { return lane / (kWidth / 2) * kWidth + lane % (kWidth / 2); }
+
+template <int kWidth, int... kLane>
+inline i32v merge(i32v a, i32v b, std::integer_sequence<int, kLane...>) {
+    return max_i(__builtin_shufflevector(a, b, first_half_lane<kWidth>(kLane)...),
+                 __builtin_shufflevector(a, b, (first_half_lane<kWidth>(kLane) + kWidth / 2)...));
 }
-inline i32v merge8(i32v a, i32v b) {
-    return max_i(__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
-}
-inline i32v merge4(i32v a, i32v b) {
-    return max_i(__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
-                 __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
-}
-inline i32v merge2(i32v a, i32v b) {
-    return max_i(__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-                 __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
-}
+
+template <int kWidth>
+inline i32v merge(i32v a, i32v b) { return merge<kWidth>(a, b, std::make_integer_sequence<int, kLanes>{}); }
+
 inline i32v lane_maxima(const i32v (&m)[kLanes]) {
     i32v eight[8], four[4], two[2];
-    for (int j = 0; j < 8; ++j) eight[j] = merge16(m[2 * j], m[2 * j + 1]);
-    for (int j = 0; j < 4; ++j) four[j] = merge8(eight[2 * j], eight[2 * j + 1]);
-    for (int j = 0; j < 2; ++j) two[j] = merge4(four[2 * j], four[2 * j + 1]);
-    return merge2(two[0], two[1]);
+    for (int j = 0; j < 8; ++j) eight[j] = merge<16>(m[2 * j], m[2 * j + 1]);
+    for (int j = 0; j < 4; ++j) four[j] = merge<8>(eight[2 * j], eight[2 * j + 1]);
+    for (int j = 0; j < 2; ++j) two[j] = merge<4>(four[2 * j], four[2 * j + 1]);
+    return merge<2>(two[0], two[1]);
 }
 
 // The lane-wise amax of `count` vectors of n lanes at start, start + stride, ... as fp32 bit
