@@ -417,7 +417,9 @@ inline int lanes_at(int64_t column, int64_t width) { return (int)(width - column
 constexpr int64_t kParallelMinElements = 1 << 14;
 
 // ---- row layout: (rows, length), blocks of block_size consecutive elements along each row;
-// scales (rows, length / block_size). block_size is a multiple of 16. ----
+// scales (rows, length / block_size). block_size is a multiple of 16. A contiguous operand's
+// blocks follow one another across rows, as do their scales, so the kernel runs over the
+// sequence of all blocks, 16 at a time, whatever the row length. ----
 
 template <int32_t kIn, int32_t kOut, bool kClamp>
 void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int64_t length,
@@ -426,26 +428,24 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
     // format, which would reload its fields in every iteration.
     const MXFormat f = *format;
     const int32_t offset = fp8_rounding_offset(f);
-    const int64_t blocks = length / block_size, vectors = block_size / kLanes;
+    const int64_t blocks = rows * (length / block_size), vectors = block_size / kLanes;
+    const int64_t groups = (blocks + kLanes - 1) / kLanes;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
-    for (int64_t row = 0; row < rows; ++row) {
-        const int64_t row_start = row * length;
-        // Up to 16 blocks at a time: their amax, then their scales as one vector, then their
-        // elements, each block with its scale broadcast (its data still in L1).
-        for (int64_t first = 0; first < blocks; first += kLanes) {
-            const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
-            i32v partial[kLanes] = {};
-            for (int j = 0; j < group; ++j)
-                partial[j] = strip_amax<kIn>(x, row_start + (first + j) * block_size, kLanes, vectors, kLanes);
-            const i32v bytes = scale_bytes(lane_maxima(partial), f);
-            const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
-            store_bytes(scales, row * blocks + first, bytes, group);
-            for (int j = 0; j < group; ++j) {
-                quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out,
-                                                  row_start + (first + j) * block_size, kLanes, vectors, kLanes,
-                                                  splat(scale[j]), splat(inverse[j]), splat_i(bytes[j]) == kE8M0Nan,
-                                                  offset, f);
-            }
+    for (int64_t g = 0; g < groups; ++g) {
+        // 16 blocks (the last group: what remains): their amax, then their scales as one
+        // vector, then their elements, each block with its scale broadcast (its data in L1).
+        const int64_t first = g * kLanes;
+        const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
+        i32v partial[kLanes] = {};
+        for (int j = 0; j < group; ++j)
+            partial[j] = strip_amax<kIn>(x, (first + j) * block_size, kLanes, vectors, kLanes);
+        const i32v bytes = scale_bytes(lane_maxima(partial), f);
+        const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
+        store_bytes(scales, first, bytes, group);
+        for (int j = 0; j < group; ++j) {
+            quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out, (first + j) * block_size,
+                                              kLanes, vectors, kLanes, splat(scale[j]), splat(inverse[j]),
+                                              splat_i(bytes[j]) == kE8M0Nan, offset, f);
         }
     }
 }
