@@ -30,6 +30,7 @@ import torch
 from ...numerics import ElemFormat, ScaleMode
 from ...numerics.formats import ELEM_FORMATS
 from ...numerics.rounding import min_normal_exponent, splitter, subnormal_magic
+from . import huge_pages
 from .build import library
 
 # The kernels' dtype and scale-mode codes (the enums of quantize.cpp).
@@ -124,7 +125,7 @@ def _quantize(x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int
     kernels = _kernels()
     if kernels is None or not _handles(x, block_size) or x.dtype not in _DTYPE_CODES:
         return None
-    out = torch.empty(x.shape, dtype=out_dtype)
+    out = huge_pages.empty(x.shape, out_dtype)
     scales = torch.empty(_blocks_shape(x, block_size), dtype=torch.uint8)
     out_code = _FP8_CODE if out_dtype is fmt.dtype else _DTYPE_CODES[out_dtype]
     common = (x.data_ptr(), _DTYPE_CODES[x.dtype], out.data_ptr(), out_code, scales.data_ptr())
@@ -161,7 +162,7 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, block_size: int,
     if (kernels is None or fmt is None or dtype not in _DTYPE_CODES or not _handles(data, block_size)
             or scales.dtype != torch.uint8 or not scales.is_contiguous() or list(scales.shape) != _blocks_shape(data, block_size)):
         return None
-    out = torch.empty(data.shape, dtype=dtype)
+    out = huge_pages.empty(data.shape, dtype)
     common = (data.data_ptr(), scales.data_ptr(), out.data_ptr(), _DTYPE_CODES[dtype])
     # The scale rule does not enter dequantization.
     params = (block_size, torch.get_num_threads(), ctypes.addressof(_format(fmt, ScaleMode.RCEIL)))
