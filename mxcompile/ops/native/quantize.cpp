@@ -285,10 +285,6 @@ inline int32_t horizontal_max(i32v m) {
 
 inline int32_t horizontal_min(i32v m) { return -horizontal_max(-m); }
 
-// Lane j of the result: the maximum of the lanes of m[j], for 16 vectors at once. A tree of 15
-// pairwise merges (a horizontal_max per vector takes 64): each level packs two vectors of
-// partial maxima into one, the first halves of their lane groups beside the second halves
-// (both shuffles), so one max halves the partials per vector. Lanes per vector: 16, 8, 4, 2, 1.
 // The lane of [a, b] (32 lanes) that result lane `lane` of a merge takes when a and b hold
 // groups of kWidth partial maxima: the first half of each group, all groups in order.
 template <int kWidth>
@@ -303,6 +299,10 @@ inline i32v merge(i32v a, i32v b, std::integer_sequence<int, kLane...>) {
 template <int kWidth>
 inline i32v merge(i32v a, i32v b) { return merge<kWidth>(a, b, std::make_integer_sequence<int, kLanes>{}); }
 
+// Lane j of the result: the maximum of the lanes of m[j], for 16 vectors at once. A tree of 15
+// merges (16 horizontal_max calls take 64 shuffle-max steps): each merge packs two vectors of
+// partial maxima into one, the first halves of their lane groups beside the second halves
+// (two shuffles), so one max halves the partials per vector: 16, 8, 4, 2, 1 lanes per vector.
 inline i32v lane_maxima(const i32v (&m)[kLanes]) {
     i32v eight[8], four[4], two[2];
     for (int j = 0; j < 8; ++j) eight[j] = merge<16>(m[2 * j], m[2 * j + 1]);
@@ -431,10 +431,10 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
     const int64_t blocks = rows * (length / block_size), vectors = block_size / kLanes;
     const int64_t groups = (blocks + kLanes - 1) / kLanes;
 #pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (rows * length >= kParallelMinElements)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t group_index = 0; group_index < groups; ++group_index) {
         // 16 blocks (the last group: what remains): their amax, then their scales as one
         // vector, then their elements, each block with its scale broadcast (its data in L1).
-        const int64_t first = g * kLanes;
+        const int64_t first = group_index * kLanes;
         const int group = (int)(blocks - first < kLanes ? blocks - first : kLanes);
         i32v partial[kLanes] = {};
         for (int j = 0; j < group; ++j)
