@@ -7,9 +7,8 @@
 Each runs, in this order of preference, with the same values:
   1. the native kernels (`ops.native`: C++ built once per machine, one pass over each block),
      for every operand size;
-  2. where those are not built (no usable C++ compiler) or do not handle the case (blocks
-     along rows whose size is not a multiple of 16): the ops' Inductor forms compiled once with
-     dynamic sizes, described below;
+  2. where those are not built (no usable C++ compiler): the ops' Inductor forms compiled once
+     with dynamic sizes, described below;
   3. otherwise the torch reference.
 
 Each Inductor form runs one compiled graph per (element format, scale mode, block size, block layout,
@@ -234,15 +233,15 @@ def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     """The native or else the compiled quantize of contiguous x (or a copy) in x's shape:
     (data, scale bytes), or None (neither runs on this operand)."""
     fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
-    layout, view = _layout_view(x.contiguous(), axis)
-    out = native.quantize(view, fmt, mode, block_size)
-    if out is None and runs_compiled(x):
-        out = compiled_quantize(fmt, mode, block_size, layout)(view)
+    x = x.contiguous()
+    out = native.quantize(x, axis, fmt, mode, block_size)
+    if out is not None or not runs_compiled(x):
+        return out
+    layout, view = _layout_view(x, axis)
+    out = compiled_quantize(fmt, mode, block_size, layout)(view)
     if out is None:
         return None
-    scale_shape = list(x.shape)
-    scale_shape[axis] //= block_size
-    return out[0].view(x.shape), out[1].view(scale_shape)
+    return out[0].view(x.shape), out[1].view(native.scales_shape(x.shape, axis, block_size))
 
 
 def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
@@ -250,10 +249,12 @@ def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size:
     """The native or else the compiled rounding of contiguous x (or a copy) in x's shape, as
     `dtype`, or None."""
     fmt, mode = elem_format(elem), scale_mode_named(scale_mode)
-    layout, view = _layout_view(x.contiguous(), axis)
-    out = native.fake_quantize(view, fmt, mode, block_size, dtype)
-    if out is None and runs_compiled(x):
-        out = compiled_rounding(fmt, mode, block_size, layout, dtype)(view)
+    x = x.contiguous()
+    out = native.fake_quantize(x, axis, fmt, mode, block_size, dtype)
+    if out is not None or not runs_compiled(x):
+        return out
+    layout, view = _layout_view(x, axis)
+    out = compiled_rounding(fmt, mode, block_size, layout, dtype)(view)
     return None if out is None else out.view(x.shape)
 
 
@@ -274,11 +275,13 @@ def dequantize_cpu(
 ) -> torch.Tensor:
     """`mxcompile::dequantize` on CPU (see the module docstring): a contiguous result."""
     axis %= data.ndim
-    layout, view = _layout_view(data.contiguous(), axis)
-    _, scale_view = _layout_view(scale.contiguous(), axis)
-    out = native.dequantize(view, scale_view, block_size, dtype)
-    if out is None and runs_compiled(data):
-        out = compiled_dequantize(block_size, layout, dtype)(view, scale_view)
+    data, scale = data.contiguous(), scale.contiguous()
+    out = native.dequantize(data, scale, axis, block_size, dtype)
+    if out is not None:
+        return out
+    if runs_compiled(data):
+        layout, view = _layout_view(data, axis)
+        out = compiled_dequantize(block_size, layout, dtype)(view, _layout_view(scale, axis)[1])
     if out is None:
         return dequantize_reference(data, scale, axis, block_size, dtype)
     return out.view(data.shape)

@@ -44,14 +44,14 @@ def _operand(seed: int, shape: tuple[int, ...], dtype: torch.dtype, specials: in
 def _check(x: torch.Tensor, axis: int, elem: str, mode: ScaleMode, block_size: int) -> None:
     fmt = ELEM_FORMATS[elem]
     want_data, want_scales = quantize_along(x, axis, fmt, mode, block_size)
-    data, scales = native.quantize(x, fmt, mode, block_size)
+    data, scales = native.quantize(x, axis, fmt, mode, block_size)
     assert torch.equal(scales, want_scales), "scales"
     assert torch.equal(bits(data), bits(want_data)), "data"
     rounded = fake_quantize_along(x, axis, fmt, mode, block_size)
     for dtype in INPUT_DTYPES:
-        fake = native.fake_quantize(x, fmt, mode, block_size, dtype)
+        fake = native.fake_quantize(x, axis, fmt, mode, block_size, dtype)
         assert same_floats(fake, rounded.to(dtype)), f"fake quantize as {dtype}"
-        values = native.dequantize(data, scales, block_size, dtype)
+        values = native.dequantize(data, scales, axis, block_size, dtype)
         assert same_floats(values, dequantize_along(want_data, want_scales, axis, block_size, dtype)), \
             f"dequantize as {dtype}"
 
@@ -97,6 +97,25 @@ def test_columns_layout_equals_the_numerics_core(seed, batch, blocks, width, blo
     _check(x, 1, elem, mode, block_size)
 
 
+@pytest.mark.parametrize(("shape", "axis"), [((2, 3, 64), 2), ((2, 64, 3, 5), 1), ((64, 2, 3), 0),
+                                           ((3, 2, 32, 1), 2), ((96,), 0)])
+def test_operands_of_any_shape_run_in_the_layout_of_their_axis(shape, axis):
+    """The kernels take the layout from the shape (no view of the operand): the last axis, or
+    an axis with only size-1 axes after it, as rows; any other as (batch, length, width)."""
+    x = _operand(3, shape, torch.bfloat16, 4)
+    _check(x, axis, "e4m3", ScaleMode.RCEIL, 32)
+    data, scales = native.quantize(x, axis - len(shape), ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
+    want_data, want_scales = native.quantize(x, axis, ELEM_FORMATS["e4m3"], ScaleMode.RCEIL, 32)
+    assert torch.equal(bits(data), bits(want_data)) and torch.equal(scales, want_scales), "negative axis"
+
+
+def test_last_axis_blocks_of_other_sizes_run_as_columns_of_width_one():
+    """The row kernel takes blocks of whole 16-lane vectors; blocks of 8 or 24 along the last
+    axis run in the column kernel, as (rows, length, 1)."""
+    for block_size in (8, 24):
+        _check(_operand(5, (4, 48), torch.float32, 3), 1, "e5m2", ScaleMode.EVEN, block_size)
+
+
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 def test_the_quantization_edge_cases_equal_the_numerics_core(elem):
     """The fixed edge cases the compiled graphs are checked on (a zero block with -0.0, NaN,
@@ -125,7 +144,7 @@ def test_tiny_blocks_whose_dequantized_elements_are_fp32_subnormals(elem):
     # Both sides of the truncation bound: the smallest nonzero element 2**(emin - mantissa_bits)
     # times the scale 2**(b - 127) is an fp32 normal from b = 10 (e4m3: 2**-9) or 17 (e5m2: 2**-16).
     bound = {"e4m3": 10, "e5m2": 17}[elem]
-    _, scales = native.quantize(x, ELEM_FORMATS[elem], ScaleMode.RCEIL, 32)
+    _, scales = native.quantize(x, 1, ELEM_FORMATS[elem], ScaleMode.RCEIL, 32)
     assert scales.min() < bound < scales.max()
 
 
@@ -139,8 +158,8 @@ def test_threads_split_the_work_without_changing_a_bit():
     for count in (1, max(2, threads)):
         torch.set_num_threads(count)
         try:
-            results.append((native.quantize(x, fmt, ScaleMode.RCEIL, 32),
-                            native.quantize(x.view(8, 32, 512), fmt, ScaleMode.RCEIL, 32)))
+            results.append((native.quantize(x, 1, fmt, ScaleMode.RCEIL, 32),
+                            native.quantize(x.view(8, 32, 512), 1, fmt, ScaleMode.RCEIL, 32)))
         finally:
             torch.set_num_threads(threads)
     one_thread, threads_ = results
@@ -149,19 +168,21 @@ def test_threads_split_the_work_without_changing_a_bit():
 
 
 def test_cases_the_kernels_do_not_handle_return_none():
-    """Row blocks that are not whole 16-lane vectors, non-contiguous operands, other dtypes and
-    empty operands: None, so that the caller runs another kernel."""
+    """Lengths that are not whole blocks, non-contiguous operands, other dtypes and empty
+    operands: None, so that the caller runs another kernel."""
     fmt = ELEM_FORMATS["e4m3"]
     x = torch.randn(4, 64)
-    assert native.quantize(torch.randn(4, 48), fmt, ScaleMode.RCEIL, 24) is None
-    assert native.quantize(x.t(), fmt, ScaleMode.RCEIL, 32) is None
-    assert native.quantize(x.double(), fmt, ScaleMode.RCEIL, 32) is None
-    assert native.quantize(torch.empty(0, 64), fmt, ScaleMode.RCEIL, 32) is None
-    assert native.fake_quantize(x, fmt, ScaleMode.RCEIL, 32, torch.float64) is None
-    data, scales = native.quantize(x, fmt, ScaleMode.RCEIL, 32)
-    assert native.dequantize(data, scales.t().contiguous().t(), 32, torch.float32) is None
-    assert native.dequantize(data, scales[:, :1], 32, torch.float32) is None
-    assert native.dequantize(data, scales.view(torch.int8), 32, torch.float32) is None
+    assert native.quantize(torch.randn(4, 48), 1, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(torch.randn(48, 4), 0, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(x.t(), 1, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(x.double(), 1, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(torch.empty(0, 64), 1, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.fake_quantize(x, 1, fmt, ScaleMode.RCEIL, 32, torch.float64) is None
+    data, scales = native.quantize(x, 1, fmt, ScaleMode.RCEIL, 32)
+    assert native.dequantize(data, scales.t().contiguous().t(), 1, 32, torch.float32) is None
+    assert native.dequantize(data, scales[:, :1], 1, 32, torch.float32) is None
+    assert native.dequantize(data, scales.view(torch.int8), 1, 32, torch.float32) is None
+    assert native.dequantize(data, scales, 0, 32, torch.float32) is None  # scales of the other axis
 
 
 def test_the_ops_cpu_kernels_run_the_native_kernels_at_every_size(monkeypatch):

@@ -75,7 +75,7 @@ def test_the_quantize_op_on_an_advised_output_equals_the_numerics_core(monkeypat
 
     x = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     fmt, mode = elem_format("e4m3"), scale_mode_named("rceil")
-    data, scales = native.quantize(x, fmt, mode, 32)
+    data, scales = native.quantize(x, 1, fmt, mode, 32)
     want_data, want_scales = quantize_along(x, 1, fmt, mode, 32)
     assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(scales.view(-1), want_scales.view(torch.uint8).reshape(-1))

@@ -1,15 +1,17 @@
 """The quantize ops' native CPU kernels (`quantize.cpp`): one pass over each block, the same
 arithmetic as the numerics core, bit for bit.
 
-    quantize(x, fmt, mode, block_size)            -> (fp8 data, uint8 scale bytes) or None
-    fake_quantize(x, fmt, mode, block_size, dtype) -> dequantize(quantize(x)) as dtype, or None
-    dequantize(data, scales, block_size, dtype)    -> data * scale as dtype, or None
+    quantize(x, axis, fmt, mode, block_size)             -> (fp8 data, uint8 scale bytes) or None
+    fake_quantize(x, axis, fmt, mode, block_size, dtype) -> dequantize(quantize(x)) as dtype, or None
+    dequantize(data, scales, axis, block_size, dtype)    -> data * scale as dtype, or None
 
-Operands are contiguous and in one of the two block layouts of `ops.cpu_kernels`: 2-D (rows,
-length) with blocks along each row (block_size a multiple of ROW_BLOCK_MULTIPLE, 16), or 3-D (batch, length,
-width) with blocks along the middle axis; scales are (rows, length / block_size) or (batch,
-length / block_size, width). None: the library could not be built (`build.library`) or the
-case is not one it handles; the caller then runs another kernel.
+Operands are contiguous, of any shape; blocks run along `axis`. The kernels see them in one of
+the two block layouts of `ops.cpu_kernels`, taken from the shape with no view made: blocks
+along the last axis (the product of the sizes after `axis` is 1) as (rows, length) when
+block_size is a multiple of ROW_BLOCK_MULTIPLE (16); blocks along another axis, and last-axis
+blocks of other sizes, as (batch, length, width), width the product of the sizes after `axis`. Data and results keep the operand's shape, scale
+bytes have `scales_shape`. None: the library could not be built (`build.library`) or the case
+is not one it handles; the caller then runs another kernel.
 
 Why native code: Inductor's generated loops for these ops read each block twice (amax, then
 the elements), reduce every 32-element block horizontally in a generic form, and each call of
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -38,8 +41,8 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FP8_CODE = 3
 _SCALE_MODE_CODES = {ScaleMode.FLOOR: 0, ScaleMode.RCEIL: 1, ScaleMode.CEIL: 2, ScaleMode.EVEN: 3}
 _FORMATS_BY_DTYPE = {fmt.dtype: fmt for fmt in ELEM_FORMATS.values()}
-# Blocks along rows are whole vectors of quantize.cpp's kLanes lanes (its row entry points
-# return 1 otherwise); checked here too, before the outputs are allocated.
+# The row kernels take blocks of whole vectors of quantize.cpp's kLanes lanes (their entry
+# points return 1 otherwise); last-axis blocks of other sizes go to the column kernels.
 ROW_BLOCK_MULTIPLE = 16
 
 
@@ -109,65 +112,81 @@ def available() -> bool:
     return _kernels() is not None
 
 
-def _handles(x: torch.Tensor, block_size: int) -> bool:
-    return (x.device.type == "cpu" and x.is_contiguous() and x.ndim in (2, 3)
-            and (x.ndim == 3 or block_size % ROW_BLOCK_MULTIPLE == 0) and x.numel() > 0)
-
-
-def _blocks_shape(x: torch.Tensor, block_size: int) -> list[int]:
-    shape = list(x.shape)
-    shape[-1 if x.ndim == 2 else 1] //= block_size
-    return shape
-
-
-def _quantize(x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int,
-              out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    kernels = _kernels()
-    if kernels is None or not _handles(x, block_size) or x.dtype not in _DTYPE_CODES:
+def _kernel_dims(x: torch.Tensor, axis: int, block_size: int) -> tuple[bool, tuple[int, ...]] | None:
+    """Which layout's kernel runs x's blocks along `axis` (True: the column layout) and its
+    dims, (rows, length) or (batch, length, width); None where no kernel runs on x."""
+    if x.device.type != "cpu" or not x.is_contiguous() or x.numel() == 0:
         return None
+    shape = x.shape
+    length = shape[axis]
+    if length % block_size:
+        return None
+    width = math.prod(shape[axis + 1:])
+    if width == 1 and block_size % ROW_BLOCK_MULTIPLE == 0:
+        return False, (x.numel() // length, length)
+    # Any other axis; and the last one for blocks of other sizes, as columns of width 1.
+    return True, (x.numel() // (length * width), length, width)
+
+
+def scales_shape(shape: torch.Size | list[int], axis: int, block_size: int) -> list[int]:
+    """The shape of the scale bytes of an operand of this shape quantized along axis."""
+    blocked = list(shape)
+    blocked[axis] //= block_size
+    return blocked
+
+
+def _quantize(x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int,
+              out_dtype: torch.dtype, with_scales: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    kernels = _kernels()
+    axis %= max(x.ndim, 1)
+    dims = _kernel_dims(x, axis, block_size) if kernels is not None and x.dtype in _DTYPE_CODES else None
+    if dims is None:
+        return None
+    columns, sizes = dims
     out = huge_pages.empty(x.shape, out_dtype)
-    scales = torch.empty(_blocks_shape(x, block_size), dtype=torch.uint8)
+    scales = torch.empty(scales_shape(x.shape, axis, block_size), dtype=torch.uint8) if with_scales else None
     out_code = _FP8_CODE if out_dtype is fmt.dtype else _DTYPE_CODES[out_dtype]
-    common = (x.data_ptr(), _DTYPE_CODES[x.dtype], out.data_ptr(), out_code, scales.data_ptr())
-    params = (block_size, torch.get_num_threads(), ctypes.addressof(_format(fmt, mode)))
-    if x.ndim == 2:
-        status = kernels["mx_quantize_rows"](*common, *x.shape, *params)
-    else:
-        status = kernels["mx_quantize_columns"](*common, *x.shape, *params)
+    kernel = kernels["mx_quantize_columns" if columns else "mx_quantize_rows"]
+    status = kernel(x.data_ptr(), _DTYPE_CODES[x.dtype], out.data_ptr(), out_code,
+                    None if scales is None else scales.data_ptr(), *sizes, block_size,
+                    torch.get_num_threads(), ctypes.addressof(_format(fmt, mode)))
     return None if status else (out, scales)
 
 
-def quantize(x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode,
+def quantize(x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode,
              block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`mxcompile::quantize` of x in its block layout (module docstring): (fp8 data in x's
-    shape, scale bytes), or None."""
-    return _quantize(x, fmt, mode, block_size, fmt.dtype)
+    """`mxcompile::quantize` of contiguous x along axis: (fp8 data in x's shape, scale bytes in
+    `scales_shape`), or None."""
+    return _quantize(x, axis, fmt, mode, block_size, fmt.dtype, with_scales=True)
 
 
-def fake_quantize(x: torch.Tensor, fmt: ElemFormat, mode: ScaleMode, block_size: int,
+def fake_quantize(x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int,
                   dtype: torch.dtype) -> torch.Tensor | None:
-    """dequantize(quantize(x)) as `dtype` (bf16, fp16 or fp32), in x's shape, or None."""
+    """dequantize(quantize(x)) along axis as `dtype` (bf16, fp16 or fp32), in x's shape, or
+    None. No scale bytes are stored."""
     if dtype not in _DTYPE_CODES:
         return None
-    out = _quantize(x, fmt, mode, block_size, dtype)
+    out = _quantize(x, axis, fmt, mode, block_size, dtype, with_scales=False)
     return None if out is None else out[0]
 
 
-def dequantize(data: torch.Tensor, scales: torch.Tensor, block_size: int,
+def dequantize(data: torch.Tensor, scales: torch.Tensor, axis: int, block_size: int,
                dtype: torch.dtype) -> torch.Tensor | None:
-    """fp8 `data` times its blocks' scales (uint8 scale bytes, contiguous, in the layout's
-    scale shape) as `dtype` (bf16, fp16 or fp32), or None."""
+    """Contiguous fp8 `data` times its blocks' scales along axis (uint8 scale bytes,
+    contiguous, in `scales_shape`) as `dtype` (bf16, fp16 or fp32), or None."""
     kernels = _kernels()
     fmt = _FORMATS_BY_DTYPE.get(data.dtype)
-    if (kernels is None or fmt is None or dtype not in _DTYPE_CODES or not _handles(data, block_size)
-            or scales.dtype != torch.uint8 or not scales.is_contiguous() or list(scales.shape) != _blocks_shape(data, block_size)):
+    if kernels is None or fmt is None or dtype not in _DTYPE_CODES:
         return None
+    axis %= max(data.ndim, 1)
+    dims = _kernel_dims(data, axis, block_size)
+    if (dims is None or scales.dtype != torch.uint8 or not scales.is_contiguous()
+            or list(scales.shape) != scales_shape(data.shape, axis, block_size)):
+        return None
+    columns, sizes = dims
     out = huge_pages.empty(data.shape, dtype)
-    common = (data.data_ptr(), scales.data_ptr(), out.data_ptr(), _DTYPE_CODES[dtype])
+    kernel = kernels["mx_dequantize_columns" if columns else "mx_dequantize_rows"]
     # The scale rule does not enter dequantization.
-    params = (block_size, torch.get_num_threads(), ctypes.addressof(_format(fmt, ScaleMode.RCEIL)))
-    if data.ndim == 2:
-        status = kernels["mx_dequantize_rows"](*common, *data.shape, *params)
-    else:
-        status = kernels["mx_dequantize_columns"](*common, *data.shape, *params)
+    status = kernel(data.data_ptr(), scales.data_ptr(), out.data_ptr(), _DTYPE_CODES[dtype], *sizes, block_size,
+                    torch.get_num_threads(), ctypes.addressof(_format(fmt, ScaleMode.RCEIL)))
     return None if status else out

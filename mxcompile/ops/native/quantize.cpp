@@ -441,7 +441,7 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
             partial[j] = strip_amax<kIn>(x, (first + j) * block_size, kLanes, vectors, kLanes);
         const i32v bytes = scale_bytes(lane_maxima(partial), f);
         const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
-        store_bytes(scales, first, bytes, group);
+        if (scales) store_bytes(scales, first, bytes, group);
         for (int j = 0; j < group; ++j) {
             quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out, (first + j) * block_size,
                                               kLanes, vectors, kLanes, splat(scale[j]), splat(inverse[j]),
@@ -467,7 +467,7 @@ void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, 
         for (int64_t column = 0; column < width; column += kLanes) {
             const int n = lanes_at(column, width);
             const i32v bytes = scale_bytes(strip_amax<kIn>(x, start + column, width, block_size, n), f);
-            store_bytes(scales, unit * width + column, bytes, n);
+            if (scales) store_bytes(scales, unit * width + column, bytes, n);
             quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes, n, f), x, out, start + column, width,
                                               block_size, n, scale_from_bytes(bytes), inverse_scale_from_bytes(bytes),
                                               bytes == kE8M0Nan, offset, f);
@@ -588,7 +588,8 @@ struct QuantizeColumns {
 }  // namespace
 
 // The exported entry points return 0, or 1 for arguments they do not handle (a dtype
-// combination, or row blocks that are not whole vectors).
+// combination, or row blocks that are not whole vectors). The quantize entry points take a
+// null `scales` where the caller wants no scale bytes (fake quantization).
 extern "C" {
 
 int mx_quantize_rows(const void* x, int32_t in_dtype, void* out, int32_t out_dtype, uint8_t* scales,
