@@ -15,8 +15,11 @@ For each size it times (median of several runs, after warm-up):
 Effective GB/s counts the bytes read once plus the bytes written (data and scales). The ratio
 is to x.clone(). Fresh allocations of 32 MiB and more are mmap'ed by glibc and pay a page fault
 per 4 KiB page on first touch (about 0.23 ms per MiB on the 2-core VM): clone pays it on every
-call at both sizes, the quantizer's fp8 output (16 MiB at 4096^2, recycled from the heap) only
-at 8192^2 (64 MiB). `copy_` into a preallocated buffer shows the pure memory traffic.
+call at both sizes; the quantizer's fp8 output (16 MiB at 4096^2) is recycled from the heap,
+and its outputs of 32 MiB or more (8192^2; the bf16 outputs of fake quantize and dequantize at
+4096^2) are advised onto transparent huge pages (`ops.native.huge_pages`), which fault per 2 MiB
+(`benchmarks/huge_pages.py` compares). `copy_` into a preallocated buffer shows the pure memory
+traffic.
 
     python benchmarks/quantize.py            # 4096^2 and 8192^2
     python benchmarks/quantize.py --quick    # small sizes, for a smoke test
