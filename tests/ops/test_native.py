@@ -177,6 +177,7 @@ def test_cases_the_kernels_do_not_handle_return_none():
     assert native.quantize(x.t(), 1, fmt, ScaleMode.RCEIL, 32) is None
     assert native.quantize(x.double(), 1, fmt, ScaleMode.RCEIL, 32) is None
     assert native.quantize(torch.empty(0, 64), 1, fmt, ScaleMode.RCEIL, 32) is None
+    assert native.quantize(torch.tensor(1.0), 0, fmt, ScaleMode.RCEIL, 32) is None
     assert native.fake_quantize(x, 1, fmt, ScaleMode.RCEIL, 32, torch.float64) is None
     data, scales = native.quantize(x, 1, fmt, ScaleMode.RCEIL, 32)
     assert native.dequantize(data, scales.t().contiguous().t(), 1, 32, torch.float32) is None

@@ -115,7 +115,7 @@ def available() -> bool:
 def _kernel_dims(x: torch.Tensor, axis: int, block_size: int) -> tuple[bool, tuple[int, ...]] | None:
     """Which layout's kernel runs x's blocks along `axis` (True: the column layout) and its
     dims, (rows, length) or (batch, length, width); None where no kernel runs on x."""
-    if x.device.type != "cpu" or not x.is_contiguous() or x.numel() == 0:
+    if x.device.type != "cpu" or not x.is_contiguous() or x.numel() == 0 or x.ndim == 0:
         return None
     shape = x.shape
     length = shape[axis]
