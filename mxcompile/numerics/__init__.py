@@ -23,6 +23,7 @@ from .quantize import (
     mx_matmul,
     quantize_along,
     quantize_mx,
+    scales_shape,
     split_blocks,
 )
 from .scales import (
@@ -56,6 +57,7 @@ __all__ = [
     "inverse_scale_fp32_from_bytes",
     "mx_matmul",
     "quantize_along",
+    "scales_shape",
     "quantize_mx",
     "scale_bytes_from_amax",
     "scale_fp32_from_amax",

@@ -5,7 +5,7 @@ mxcompile's numerics. The custom ops, the graph passes and the Triton kernels al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -90,6 +90,14 @@ def check_quantizable(x: torch.Tensor, axis: int, block_size: int) -> int:
             f"another axis"
         )
     return axis
+
+
+def scales_shape(shape: Sequence[int], axis: int, block_size: int) -> list[int]:
+    """The shape of the scales of a tensor of this shape quantized along `axis` (non-negative):
+    one per block, the axis divided by block_size."""
+    blocked = list(shape)
+    blocked[axis] //= block_size
+    return blocked
 
 
 def split_blocks(x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..numerics import elem_format, quantize_along
+from ..numerics import elem_format, quantize_along, scales_shape
 from ..numerics import scale_mode_named
 from .attention_checks import triton_attention_unsupported
 from .attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
@@ -208,9 +208,7 @@ def _quantize_operand(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
             not along_sequence or x.shape[SEQUENCE_AXIS] % block_size == 0):
         data, scale = quantize_with_triton(x.reshape(-1, x.shape[-1]), 0 if along_sequence else 1, elem,
                                            scale_mode, block_size)
-        scale_shape = list(x.shape)
-        scale_shape[axis] //= block_size
-        return data.reshape(x.shape), scale.reshape(scale_shape)
+        return data.reshape(x.shape), scale.reshape(scales_shape(x.shape, axis, block_size))
     return quantize_along(x, axis, elem_format(elem), scale_mode_named(scale_mode), block_size)
 
 

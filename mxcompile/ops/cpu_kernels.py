@@ -43,7 +43,7 @@ import torch
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..numerics import ElemFormat, ScaleMode, dequantize_along, elem_format, fake_quantize_along
+from ..numerics import ElemFormat, ScaleMode, dequantize_along, elem_format, fake_quantize_along, scales_shape
 from ..numerics.quantize import check_quantizable
 from ..numerics import scale_mode_named
 from . import native
@@ -191,9 +191,7 @@ def compiled_quantize(
         if out is None:
             return None
         data, scale = out
-        scale_shape = list(x.shape)
-        scale_shape[1] //= block_size
-        return data.view(x.shape), scale.view(scale_shape)
+        return data.view(x.shape), scale.view(scales_shape(x.shape, 1, block_size))
 
     return quantized
 
@@ -241,7 +239,7 @@ def _quantized(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     out = compiled_quantize(fmt, mode, block_size, layout)(view)
     if out is None:
         return None
-    return out[0].view(x.shape), out[1].view(native.scales_shape(x.shape, axis, block_size))
+    return out[0].view(x.shape), out[1].view(scales_shape(x.shape, axis, block_size))
 
 
 def _rounded(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,

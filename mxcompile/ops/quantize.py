@@ -33,6 +33,7 @@ from ..numerics import (
     fake_quantize_along,
     quantize_along,
     scale_bytes_from_amax,
+    scales_shape,
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
 from ..numerics.scales import identity
@@ -95,11 +96,9 @@ def quantize_reference(
 
 @quantize_op.register_fake
 def _quantize_fake(x, axis, elem, scale_mode, block_size):
-    scale_shape = list(x.shape)
-    scale_shape[axis % x.ndim] //= block_size
     return (
         torch.empty_like(x, dtype=elem_format(elem).dtype),
-        x.new_empty(scale_shape, dtype=torch.uint8),
+        x.new_empty(scales_shape(x.shape, axis % x.ndim, block_size), dtype=torch.uint8),
     )
 
 

@@ -10,7 +10,7 @@ the two block layouts of `ops.cpu_kernels`, taken from the shape with no view ma
 along the last axis (the product of the sizes after `axis` is 1) as (rows, length) when
 block_size is a multiple of ROW_BLOCK_MULTIPLE (16); blocks along another axis, and last-axis
 blocks of other sizes, as (batch, length, width), width the product of the sizes after `axis`. Data and results keep the operand's shape, scale
-bytes have `scales_shape`. None: the library could not be built (`build.library`) or the case
+bytes have `numerics.scales_shape`. None: the library could not be built (`build.library`) or the case
 is not one it handles; the caller then runs another kernel.
 
 Why native code: Inductor's generated loops for these ops read each block twice (amax, then
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ...numerics import ElemFormat, ScaleMode
+from ...numerics import ElemFormat, ScaleMode, scales_shape
 from ...numerics.formats import ELEM_FORMATS
 from ...numerics.rounding import min_normal_exponent, splitter, subnormal_magic
 from . import huge_pages
@@ -126,13 +126,6 @@ def _kernel_dims(x: torch.Tensor, axis: int, block_size: int) -> tuple[bool, tup
         return False, (x.numel() // length, length)
     # Any other axis; and the last one for blocks of other sizes, as columns of width 1.
     return True, (x.numel() // (length * width), length, width)
-
-
-def scales_shape(shape: torch.Size | list[int], axis: int, block_size: int) -> list[int]:
-    """The shape of the scale bytes of an operand of this shape quantized along axis."""
-    blocked = list(shape)
-    blocked[axis] //= block_size
-    return blocked
 
 
 def _quantize(x: torch.Tensor, axis: int, fmt: ElemFormat, mode: ScaleMode, block_size: int,

@@ -3,10 +3,10 @@
 glibc serves an allocation of 32 MiB or more (its largest mmap threshold on 64-bit Linux) from
 a fresh mmap and unmaps it on free, so every call's output of that size is new memory, and the
 kernel's first write to each 4 KiB page faults. On the 2-core VM that costs about 0.2 ms per
-MiB, more than the quantization itself: a 64 MiB output took 13.1 ms to allocate and fill,
-against 1.5 ms to fill the same buffer preallocated (`fill_` after `torch.empty`, median of
-11). Advised MADV_HUGEPAGE before the first write, the region faults in transparent huge pages
-where the kernel has them: 4.6 ms. The memory is still torch's, freed as before; nothing is
+MiB, more than the quantization itself. Advised MADV_HUGEPAGE before the first write, the
+region faults in transparent huge pages where the kernel has them: the quantize op at 8192²
+(a 64 MiB fp8 output) took 15.4 ms advised against 37.6 ms plain (`benchmarks/huge_pages.py`,
+interleaved, median of 12). The memory is still torch's, freed as before; nothing is
 cached. Smaller outputs are left alone: they may lie in glibc's heap, where the advice would
 outlive them and reach whatever the heap holds next.
 

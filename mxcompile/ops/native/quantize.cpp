@@ -454,25 +454,35 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
 // axis; scales (batch, length / block_size, width). A unit is one (batch, block) strip of
 // block_size rows; the lanes run along the width, so the amax is a vertical maximum. ----
 
+// strip(start, scales_index, n) for every vector-wide strip of the column layout: the n lanes
+// at `start` of block_size rows `width` apart, whose scale bytes are at `scales_index`. Units
+// are split across `threads`; each thread runs its own copy of `strip` (firstprivate: the byte
+// stores may alias the memory of a shared one, and its captures would be reloaded every
+// iteration).
+template <typename Strip>
+inline void for_each_column_strip(int64_t batch, int64_t length, int64_t width, int64_t block_size, int threads,
+                                  Strip strip) {
+    const int64_t blocks = length / block_size, units = batch * blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(strip) if (batch * length * width >= kParallelMinElements)
+    for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t start = unit_start(unit, blocks, length, block_size, width);
+        for (int64_t column = 0; column < width; column += kLanes)
+            strip(start + column, unit * width + column, lanes_at(column, width));
+    }
+}
+
 template <int32_t kIn, int32_t kOut, bool kClamp>
 void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, int64_t length,
                       int64_t width, int64_t block_size, int threads, const MXFormat* format) {
-    // Private copies per thread (firstprivate): see quantize_rows.
     const MXFormat f = *format;
     const int32_t offset = fp8_rounding_offset(f);
-    const int64_t blocks = length / block_size, units = batch * blocks;
-#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
-    for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t start = unit_start(unit, blocks, length, block_size, width);
-        for (int64_t column = 0; column < width; column += kLanes) {
-            const int n = lanes_at(column, width);
-            const i32v bytes = scale_bytes(strip_amax<kIn>(x, start + column, width, block_size, n), f);
-            if (scales) store_bytes(scales, unit * width + column, bytes, n);
-            quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes, n, f), x, out, start + column, width,
-                                              block_size, n, scale_from_bytes(bytes), inverse_scale_from_bytes(bytes),
-                                              bytes == kE8M0Nan, offset, f);
-        }
-    }
+    for_each_column_strip(batch, length, width, block_size, threads, [=](int64_t start, int64_t scales_index, int n) {
+        const i32v bytes = scale_bytes(strip_amax<kIn>(x, start, width, block_size, n), f);
+        if (scales) store_bytes(scales, scales_index, bytes, n);
+        quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes, n, f), x, out, start, width, block_size, n,
+                                          scale_from_bytes(bytes), inverse_scale_from_bytes(bytes), bytes == kE8M0Nan,
+                                          offset, f);
+    });
 }
 
 // ---- dequantization: fp8 bytes times their block's scale, as the output dtype ----
@@ -528,22 +538,15 @@ template <int32_t kOut>
 void dequantize_columns(const uint8_t* data, const uint8_t* scales, void* out, int64_t batch,
                         int64_t length, int64_t width, int64_t block_size, int threads,
                         const MXFormat* format) {
-    // Private copies per thread (firstprivate): see quantize_rows.
     const MXFormat f = *format;
     const float unbias = unbias_factor(f);
-    const int64_t blocks = length / block_size, units = batch * blocks;
-#pragma omp parallel for schedule(static) num_threads(threads) firstprivate(f) if (batch * length * width >= kParallelMinElements)
-    for (int64_t unit = 0; unit < units; ++unit) {
-        const int64_t start = unit_start(unit, blocks, length, block_size, width);
-        for (int64_t column = 0; column < width; column += kLanes) {
-            const int n = lanes_at(column, width);
-            u8v b{};
-            copy_lanes<uint8_t>(&b, scales + unit * width + column, n);
-            const i32v bytes = widen_bytes(b);
-            dequantize_strip<kOut>(block_kind<kOut>(bytes, n, f), data, out, start + column, width, block_size, n,
-                                   scale_from_bytes(bytes), unbias, f);
-        }
-    }
+    for_each_column_strip(batch, length, width, block_size, threads, [=](int64_t start, int64_t scales_index, int n) {
+        u8v b{};
+        copy_lanes<uint8_t>(&b, scales + scales_index, n);
+        const i32v bytes = widen_bytes(b);
+        dequantize_strip<kOut>(block_kind<kOut>(bytes, n, f), data, out, start, width, block_size, n,
+                               scale_from_bytes(bytes), unbias, f);
+    });
 }
 
 // Dispatch on the runtime dtypes to the instantiation for them.
