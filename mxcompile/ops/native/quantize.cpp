@@ -421,6 +421,16 @@ constexpr int64_t kParallelMinElements = 1 << 14;
 // blocks follow one another across rows, as do their scales, so the kernel runs over the
 // sequence of all blocks, 16 at a time, whatever the row length. ----
 
+// The blocks first, ..., first + group - 1 of the row layout, all of one finite Block kind.
+template <int32_t kIn, int32_t kOut, bool kClamp, Block kBlock>
+inline void quantize_group(const void* x, void* out, int64_t first, int group, int64_t block_size, f32v scale,
+                           f32v inverse, int32_t offset, const MXFormat& f) {
+    const int64_t vectors = block_size / kLanes;
+    for (int j = 0; j < group; ++j)
+        quantize_strip<kIn, kOut, kClamp, kBlock>(x, out, (first + j) * block_size, kLanes, vectors, kLanes,
+                                                  splat(scale[j]), splat(inverse[j]), i32v{}, offset, f);
+}
+
 template <int32_t kIn, int32_t kOut, bool kClamp>
 void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int64_t length,
                    int64_t block_size, int threads, const MXFormat* format) {
@@ -442,10 +452,21 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
         const i32v bytes = scale_bytes(lane_maxima(partial), f);
         const f32v scale = scale_from_bytes(bytes), inverse = inverse_scale_from_bytes(bytes);
         if (scales) store_bytes(scales, first, bytes, group);
-        for (int j = 0; j < group; ++j) {
-            quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out, (first + j) * block_size,
-                                              kLanes, vectors, kLanes, splat(scale[j]), splat(inverse[j]),
-                                              splat_i(bytes[j]) == kE8M0Nan, offset, f);
+        switch (block_kind<kOut>(bytes, group, f)) {
+            case Block::kNan:  // rare: each block's own kind
+                for (int j = 0; j < group; ++j) {
+                    quantize_strip<kIn, kOut, kClamp>(block_kind<kOut>(bytes[j], bytes[j], f), x, out,
+                                                      (first + j) * block_size, kLanes, vectors, kLanes,
+                                                      splat(scale[j]), splat(inverse[j]),
+                                                      splat_i(bytes[j]) == kE8M0Nan, offset, f);
+                }
+                break;
+            case Block::kFinite:
+                quantize_group<kIn, kOut, kClamp, Block::kFinite>(x, out, first, group, block_size, scale, inverse, offset, f);
+                break;
+            case Block::kNormalResults:
+                quantize_group<kIn, kOut, kClamp, Block::kNormalResults>(x, out, first, group, block_size, scale, inverse, offset, f);
+                break;
         }
     }
 }
