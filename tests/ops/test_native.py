@@ -129,6 +129,42 @@ def test_the_quantization_edge_cases_equal_the_numerics_core(elem):
             _check(operand.view(1, *operand.shape), 1, elem, mode, 32)  # columns: along the first
 
 
+def _bit_rounding_operand() -> torch.Tensor:
+    """bf16 blocks of 32 for fake quantization's bit rounding (`quantize.cpp`) and its fp32
+    fallback: random mantissa patterns (ties of every kind, carries into the next binade) in a
+    block of every bf16 binade, subnormals included, so that every scale byte occurs; each binade
+    twice, once as it is and once with elements 2**-15 to 2**-40 of its largest (the element
+    format's subnormal range: bf16 normals, subnormals and zeros) and a zero and a -0.0."""
+    g = torch.Generator().manual_seed(17)
+    blocks = []
+    for exponent in range(-133, 128):
+        mantissas = torch.randint(0, 128, (32,), generator=g, dtype=torch.int32)
+        signs = torch.randint(0, 2, (32,), generator=g, dtype=torch.int32) << 15
+        if exponent >= -126:
+            magnitudes = ((exponent + 127) << 7) | mantissas
+        else:  # subnormal: the pattern's leading bit below bf16's smallest normal
+            magnitudes = (mantissas | 64) >> (-126 - exponent)
+        block = (magnitudes | signs).to(torch.int16).view(torch.bfloat16).float()
+        blocks.append(block)
+        mixed = block.clone()
+        largest = block.abs().max()
+        for lane, depth in zip((3, 11, 19, 27), (15, 17, 24, 40)):
+            mixed[lane] = largest * 2.0**-depth
+        mixed[7], mixed[9] = 0.0, -0.0
+        blocks.append(mixed)
+    return torch.stack(blocks).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
+@pytest.mark.parametrize("mode", list(ScaleMode))
+def test_bf16_fake_quantization_by_bit_rounding_equals_the_numerics_core(elem, mode):
+    """bf16 -> bf16 / fp32 fake quantization rounds the inputs' own bits where a block allows it
+    and runs the fp32 arithmetic elsewhere: both equal the numerics core, in rows and columns."""
+    x = _bit_rounding_operand()  # (522 blocks, 32)
+    _check(x, 1, elem, mode, 32)
+    _check(x.t().contiguous(), 0, elem, mode, 32)
+
+
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 def test_tiny_blocks_whose_dequantized_elements_are_fp32_subnormals(elem):
     """Blocks with scales near 2**-127: their dequantized elements are fp32 subnormals, whose
