@@ -19,7 +19,12 @@ call at both sizes; the quantizer's fp8 output (16 MiB at 4096^2) is recycled fr
 and its outputs of 32 MiB or more (8192^2; the bf16 outputs of fake quantize and dequantize at
 4096^2) are advised onto transparent huge pages (`ops.native.huge_pages`), which fault per 2 MiB
 (`benchmarks/huge_pages.py` compares). `copy_` into a preallocated buffer shows the pure memory
-traffic.
+traffic. Each case runs at least 2 s (`--warmup-seconds`) before it is timed: on the 2-core VM
+(whose kernel hands free memory back to the host in 8 MiB blocks: `page_reporting_order=11` on
+its command line) a process's first large allocations, and some later ones, fault in memory the
+host must supply again (an 8192^2 quantize's first 4-6 calls took 250-330 ms each, nearly all
+system time by getrusage, and 15-20 ms after; a dequantize's output 500 ms, then 15-20 ms).
+Such outliers still occur in timed calls now and then: the median keeps them out of the figure.
 
     python benchmarks/quantize.py            # 4096^2 and 8192^2
     python benchmarks/quantize.py --quick    # small sizes, for a smoke test
@@ -57,10 +62,13 @@ class Row:
     note: str = ""
 
 
-def _time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `repeats` calls after `warmup` calls."""
-    for _ in range(warmup):
+def _time(fn: Callable[[], object], repeats: int, warmup: int = 2, warmup_seconds: float = 0.0) -> float:
+    """Median wall time of `repeats` calls after `warmup` calls and at least `warmup_seconds`."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < warmup or time.perf_counter() - start < warmup_seconds:
         fn()
+        calls += 1
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -75,10 +83,15 @@ def _first_line(exc: BaseException) -> str:
     return line[:160]
 
 
-def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int) -> list[Row]:
+def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int,
+               warmup_seconds: float = 0.0) -> list[Row]:
     fmt = ELEM_FORMATS[elem]
     x = torch.randn(n, n, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     numel = x.numel()
+
+    def timed(fn: Callable[[], object]) -> float:
+        return _time(fn, repeats, warmup_seconds=warmup_seconds)
+
     in_bytes = numel * x.element_size()
     q_bytes = numel + numel // block_size  # fp8 data + one uint8 scale per block
 
@@ -114,11 +127,11 @@ def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int
         if fn(x) is None:  # a compiled graph declines operands under its compile threshold
             rows.append(Row(name, None, 0, "no graph at this size (cpu_kernels.COMPILE_MIN_NUMEL)"))
             continue
-        rows.append(Row(name, _time(lambda: fn(x), repeats), moved))  # the first call compiles or loads
+        rows.append(Row(name, timed(lambda: fn(x)), moved))  # the first call compiles or loads
 
-    rows.append(Row("x.clone()", _time(lambda: x.clone(), repeats), 2 * in_bytes))
+    rows.append(Row("x.clone()", timed(lambda: x.clone()), 2 * in_bytes))
     buffer = torch.empty_like(x)
-    rows.append(Row("copy_ into preallocated", _time(lambda: buffer.copy_(x), repeats), 2 * in_bytes))
+    rows.append(Row("copy_ into preallocated", timed(lambda: buffer.copy_(x)), 2 * in_bytes))
 
     try:
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -132,7 +145,7 @@ def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int
         calc = ScaleCalculationMode(ao_mode)
         return lambda t: to_mx(t, fmt.dtype, block_size, calc)
 
-    rows.append(Row("torchao to_mx eager", _time(lambda: ao_fn(scale_mode)(x), repeats), in_bytes + q_bytes))
+    rows.append(Row("torchao to_mx eager", timed(lambda: ao_fn(scale_mode)(x)), in_bytes + q_bytes))
     # Compiled: in torchao 0.18 on CPU only rceil compiles; floor / ceil / even view uint8 as
     # float8_e8m0fnu inside the graph, which Inductor's C++ backend cannot generate.
     for ao_mode in dict.fromkeys([scale_mode, "floor"]):
@@ -142,7 +155,7 @@ def bench_size(n: int, elem: str, scale_mode: str, block_size: int, repeats: int
         level = quiet.level
         quiet.setLevel(logging.CRITICAL + 1)  # the failure logs the whole IR node at CRITICAL
         try:
-            rows.append(Row(name, _time(lambda: compiled(x), repeats), in_bytes + q_bytes))
+            rows.append(Row(name, timed(lambda: compiled(x)), in_bytes + q_bytes))
         except Exception as exc:
             rows.append(Row(name, None, 0, f"fails: {_first_line(exc)}"))
         finally:
@@ -184,19 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-mode", default="rceil", choices=[m.value for m in ScaleMode])
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--warmup-seconds", type=float, help="each case runs at least this long before it is "
+                        "timed (default 2, --quick 0): see the module docstring")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     sizes = args.sizes or ([256] if args.quick else [4096, 8192])
     repeats = args.repeats or (3 if args.quick else 11)
+    warmup_seconds = args.warmup_seconds if args.warmup_seconds is not None else (0.0 if args.quick else 2.0)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, elem={args.elem}, "
         f"scale_mode={args.scale_mode}, block_size={args.block_size}, median of {repeats}; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
     for n in sizes:
-        rows = bench_size(n, args.elem, args.scale_mode, args.block_size, repeats)
+        rows = bench_size(n, args.elem, args.scale_mode, args.block_size, repeats, warmup_seconds)
         print(format_table(n, rows), flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f} (timings are noisy when it exceeds the core count)")
     return 0
