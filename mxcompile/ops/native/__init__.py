@@ -94,17 +94,21 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _kernels() -> dict[str, ctypes._CFuncPtr] | None:
-    lib = library()
-    if lib is None:
-        return None
+def bind_kernels(lib: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:
+    """The entry points of a build of quantize.cpp with their signatures (the loaded library's,
+    or another build's: benchmarks/native_ab.py)."""
     kernels = {}
     for name, argtypes in _SIGNATURES.items():
         kernel = getattr(lib, name)
         kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
         kernels[name] = kernel
     return kernels
+
+
+@functools.cache
+def _kernels() -> dict[str, ctypes._CFuncPtr] | None:
+    lib = library()
+    return None if lib is None else bind_kernels(lib)
 
 
 def available() -> bool:

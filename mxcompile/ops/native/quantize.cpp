@@ -287,8 +287,8 @@ inline f32v fp8_values(i32v code, float unbias, const MXFormat& f) {
 // clamp of the floor and even rules (max_normal * scale) is a bf16 pattern too, or one above
 // every finite magnitude where that product exceeds bf16's range. Not for fp8 results, whose
 // fp32 path is integer arithmetic already (this one was 1.1x slower there), nor for fp16 results
-// (a conversion), nor fp32 inputs (1.2x slower in 32-bit lanes). Interleaved A/B against the
-// fp32 path, bf16 -> bf16: rows 0.75-0.83x, columns 0.84-0.91x (1.0x at 4096^2).
+// (a conversion), nor fp32 inputs (1.2x slower in 32-bit lanes). Against the fp32 path
+// (benchmarks/native_ab.py), bf16 -> bf16: rows 0.74-0.82x, columns 0.77-0.88x (1.0x at 4096^2).
 
 constexpr int kBf16MantissaBits = 7;
 constexpr uint16_t kBf16Magnitude = 0x7FFF;

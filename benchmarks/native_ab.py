@@ -1,0 +1,149 @@
+"""Benchmark: two builds of the native quantize kernels (`mxcompile/ops/native/quantize.cpp`)
+side by side, calls interleaved in one process, so that the machine's drift between runs
+(10-20% here, sometimes 2x) falls on both alike.
+
+The baseline is the source at a git revision (`--base`), the candidate the working tree's (or
+`--candidate-rev`). Both are compiled with the flags of `ops.native.build` by the C++ compiler
+Inductor uses; each case calls the op's native entry point (`ops.native.quantize`,
+`fake_quantize`, `dequantize`) with one build's kernels, then the other's, `--repeats` times,
+and prints the medians and their ratio (B/A < 1: the candidate is faster) with whether both
+builds gave the same bits. Outputs are allocated once per case and reused (`huge_pages.empty`
+is replaced), so page faults of fresh allocations stay out of the kernels' comparison.
+
+    python benchmarks/native_ab.py --base 8059671              # before bf16 bit rounding
+    python benchmarks/native_ab.py --base HEAD --shapes 64x64 --repeats 2 --threads 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from mxcompile.numerics import ELEM_FORMATS, ScaleMode
+from mxcompile.ops import native
+from mxcompile.ops.native import build
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_IN_REPO = build.SOURCE.relative_to(REPO).as_posix()
+
+
+def _source_at(revision: str, directory: Path) -> Path:
+    """quantize.cpp as it is at `revision`, written into `directory`."""
+    text = subprocess.run(["git", "show", f"{revision}:{SOURCE_IN_REPO}"], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout
+    path = directory / f"quantize-{revision.replace('/', '_')}.cpp"
+    path.write_text(text)
+    return path
+
+
+def _built(source: Path) -> dict[str, ctypes._CFuncPtr]:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    library = source.with_suffix(".so")
+    command = [get_cpp_compiler(), *build.FLAGS, build.OPENMP_FLAG, str(source), "-o", str(library)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return native.bind_kernels(ctypes.CDLL(str(library)))
+
+
+@contextlib.contextmanager
+def _kernels(kernels: dict[str, ctypes._CFuncPtr]) -> Iterator[None]:
+    """The native entry points run this build's kernels inside the block."""
+    saved = native._kernels
+    native._kernels = lambda: kernels
+    try:
+        yield
+    finally:
+        native._kernels = saved
+
+
+@contextlib.contextmanager
+def _reused_outputs() -> Iterator[None]:
+    saved = native.huge_pages.empty
+    outputs: dict[tuple, torch.Tensor] = {}
+    native.huge_pages.empty = lambda shape, dtype: outputs.setdefault((tuple(shape), dtype), saved(shape, dtype))
+    try:
+        yield
+    finally:
+        native.huge_pages.empty = saved
+
+
+def _bits(t: torch.Tensor | tuple) -> list[torch.Tensor]:
+    tensors = t if isinstance(t, tuple) else (t,)
+    return [x.view(torch.uint8).clone() for x in tensors]
+
+
+def _cases(shape: tuple[int, int], elem: str) -> list[tuple[str, Callable[[], object]]]:
+    fmt, rceil, floor = ELEM_FORMATS[elem], ScaleMode.RCEIL, ScaleMode.FLOOR
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    data, scales = native.quantize(x, 1, fmt, rceil, 32)
+    return [
+        ("quantize rows", lambda: native.quantize(x, 1, fmt, rceil, 32)),
+        ("quantize columns", lambda: native.quantize(x, 0, fmt, rceil, 32)),
+        ("quantize rows, floor", lambda: native.quantize(x, 1, fmt, floor, 32)),
+        ("fake quantize rows", lambda: native.fake_quantize(x, 1, fmt, rceil, 32, torch.bfloat16)),
+        ("fake quantize columns", lambda: native.fake_quantize(x, 0, fmt, rceil, 32, torch.bfloat16)),
+        ("fake quantize rows, floor", lambda: native.fake_quantize(x, 1, fmt, floor, 32, torch.bfloat16)),
+        ("dequantize rows", lambda: native.dequantize(data, scales, 1, 32, torch.bfloat16)),
+    ]
+
+
+def compare(a: dict, b: dict, fn: Callable[[], object], repeats: int) -> tuple[float, float, bool]:
+    """Medians of A and B over `repeats` interleaved calls (after two each), and whether their
+    outputs have the same bits."""
+    outputs = []
+    for kernels in (a, b):
+        with _kernels(kernels):
+            outputs.append(_bits(fn()))
+            fn()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for kernels, timed in zip((a, b), times):
+            with _kernels(kernels):
+                start = time.perf_counter()
+                fn()
+                timed.append(time.perf_counter() - start)
+    same = all(torch.equal(x, y) for x, y in zip(*outputs))
+    return statistics.median(times[0]), statistics.median(times[1]), same
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="git revision of the baseline's quantize.cpp (A)")
+    parser.add_argument("--candidate-rev", help="git revision of the candidate (B; default: the working tree)")
+    parser.add_argument("--shapes", nargs="+", default=["1024x1024", "4096x1024", "4096x4096"], help="RxC")
+    parser.add_argument("--elem", default="e4m3", choices=sorted(ELEM_FORMATS))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as directory:
+        a = _built(_source_at(args.base, Path(directory)))
+        b = _built(_source_at(args.candidate_rev, Path(directory)) if args.candidate_rev else build.SOURCE)
+        print(f"A: quantize.cpp at {args.base}; B: {args.candidate_rev or 'the working tree'}; "
+              f"bf16 inputs, {args.elem}, median of {args.repeats} interleaved calls")
+        print(f"  {'case':<26} {'shape':>10} {'threads':>7} {'A ms':>8} {'B ms':>8} {'B/A':>6}  same bits")
+        different = 0
+        with _reused_outputs():
+            for shape_text in args.shapes:
+                shape = tuple(int(n) for n in shape_text.split("x"))
+                for threads in args.threads:
+                    torch.set_num_threads(threads)
+                    for name, fn in _cases(shape, args.elem):
+                        time_a, time_b, same = compare(a, b, fn, args.repeats)
+                        different += not same
+                        print(f"  {name:<26} {shape_text:>10} {threads:>7} {time_a * 1e3:>8.3f} {time_b * 1e3:>8.3f} "
+                              f"{time_b / time_a:>6.2f}  {same}", flush=True)
+    return 1 if different else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
