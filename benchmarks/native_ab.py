@@ -37,11 +37,15 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE_IN_REPO = build.SOURCE.relative_to(REPO).as_posix()
 
 
-def _source_at(revision: str, directory: Path) -> Path:
-    """quantize.cpp as it is at `revision`, written into `directory`."""
-    text = subprocess.run(["git", "show", f"{revision}:{SOURCE_IN_REPO}"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout
-    path = directory / f"quantize-{revision.replace('/', '_')}.cpp"
+def _source_copy(revision: str | None, directory: Path, label: str) -> Path:
+    """quantize.cpp as it is at `revision` (None: the working tree's), copied into `directory`
+    (its build is written beside it, never into the repository)."""
+    if revision is None:
+        text = build.SOURCE.read_text()
+    else:
+        text = subprocess.run(["git", "show", f"{revision}:{SOURCE_IN_REPO}"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout
+    path = directory / f"quantize-{label}.cpp"
     path.write_text(text)
     return path
 
@@ -126,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
-        a = _built(_source_at(args.base, Path(directory)))
-        b = _built(_source_at(args.candidate_rev, Path(directory)) if args.candidate_rev else build.SOURCE)
+        a = _built(_source_copy(args.base, Path(directory), "a"))
+        b = _built(_source_copy(args.candidate_rev, Path(directory), "b"))
         print(f"A: quantize.cpp at {args.base}; B: {args.candidate_rev or 'the working tree'}; "
               f"bf16 inputs, {args.elem}, median of {args.repeats} interleaved calls")
         print(f"  {'case':<26} {'shape':>10} {'threads':>7} {'A ms':>8} {'B ms':>8} {'B/A':>6}  same bits")

@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/native_ab.py: the committed kernels against the working tree's, one
-tiny shape, and the same bits from both builds."""
+tiny shape, the same bits from both builds, and no build left in the package's directory."""
 
 from __future__ import annotations
 
@@ -19,3 +19,4 @@ def test_native_ab_compares_two_builds_side_by_side() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.strip().endswith(("True", "False"))]
     assert len(rows) == 7 and all(row.strip().endswith("True") for row in rows), result.stdout
+    assert not list((REPO / "mxcompile" / "ops" / "native").glob("*.so")), "a build written into the package"
