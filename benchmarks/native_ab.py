@@ -43,8 +43,13 @@ def _source_copy(revision: str | None, directory: Path, label: str) -> Path:
     if revision is None:
         text = build.SOURCE.read_text()
     else:
-        text = subprocess.run(["git", "show", f"{revision}:{SOURCE_IN_REPO}"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout
+        shown = subprocess.run(["git", "show", f"{revision}:{SOURCE_IN_REPO}"], cwd=REPO,
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise SystemExit(f"native_ab.py: no {SOURCE_IN_REPO} at revision {revision!r} "
+                             f"({shown.stderr.strip()}); give a commit of this repository that has it, "
+                             "e.g. --base HEAD")
+        text = shown.stdout
     path = directory / f"quantize-{label}.cpp"
     path.write_text(text)
     return path

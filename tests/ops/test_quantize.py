@@ -27,8 +27,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-
-
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 def test_cpu_kernels_are_bit_identical_to_the_numerics_core(elem, monkeypatch, without_native_kernels):
     """The quantize ops' compiled-graph CPU kernels (`ops.cpu_kernels`: their Inductor forms

@@ -9,9 +9,10 @@ Operands are contiguous, of any shape; blocks run along `axis`. The kernels see 
 the two block layouts of `ops.cpu_kernels`, taken from the shape with no view made: blocks
 along the last axis (the product of the sizes after `axis` is 1) as (rows, length) when
 block_size is a multiple of ROW_BLOCK_MULTIPLE (16); blocks along another axis, and last-axis
-blocks of other sizes, as (batch, length, width), width the product of the sizes after `axis`. Data and results keep the operand's shape, scale
-bytes have `numerics.scales_shape`. None: the library could not be built (`build.library`) or the case
-is not one it handles; the caller then runs another kernel.
+blocks of other sizes, as (batch, length, width), width the product of the sizes after `axis`.
+Data and results keep the operand's shape, scale bytes have `numerics.scales_shape`. None: the
+library could not be built (`build.library`) or the case is not one it handles; the caller
+then runs another kernel.
 
 Why native code: Inductor's generated loops for these ops read each block twice (amax, then
 the elements), reduce every 32-element block horizontally in a generic form, and each call of

@@ -380,8 +380,8 @@ inline i32v merge(i32v a, i32v b) { return merge<kWidth, kMinimum>(a, b, std::ma
 // each merge packs two vectors of partial results into one, the first halves of their lane
 // groups beside the second halves (two shuffles), so one max halves the partials per vector:
 // 16, 8, 4, 2, 1 lanes per vector.
-template <bool kMinimum = false>
-inline i32v lane_maxima(const i32v (&m)[kLanes]) {
+template <bool kMinimum>
+inline i32v lane_extrema(const i32v (&m)[kLanes]) {
     i32v eight[8], four[4], two[2];
     for (int j = 0; j < 8; ++j) eight[j] = merge<16, kMinimum>(m[2 * j], m[2 * j + 1]);
     for (int j = 0; j < 4; ++j) four[j] = merge<8, kMinimum>(eight[2 * j], eight[2 * j + 1]);
@@ -389,7 +389,8 @@ inline i32v lane_maxima(const i32v (&m)[kLanes]) {
     return merge<2, kMinimum>(two[0], two[1]);
 }
 
-inline i32v lane_minima(const i32v (&m)[kLanes]) { return lane_maxima<true>(m); }
+inline i32v lane_maxima(const i32v (&m)[kLanes]) { return lane_extrema<false>(m); }
+inline i32v lane_minima(const i32v (&m)[kLanes]) { return lane_extrema<true>(m); }
 
 // The lane-wise amax of `count` vectors of n lanes at start, start + stride, ... as fp32 bit
 // patterns with the sign cleared. bf16 patterns with the sign cleared order like the values
