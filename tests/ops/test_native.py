@@ -130,7 +130,7 @@ def test_the_quantization_edge_cases_equal_the_numerics_core(elem):
 
 
 def _bit_rounding_operand() -> torch.Tensor:
-    """bf16 blocks of 32 for fake quantization's bit rounding (`quantize.cpp`) and its fp32
+    """bf16 blocks of 32 for bit rounding (`quantize.cpp`) and its fp32
     fallback: random mantissa patterns (ties of every kind, carries into the next binade) in a
     block of every bf16 binade, subnormals included, so that every scale byte occurs; each binade
     twice, once as it is and once with elements 2**-15 to 2**-40 of its largest (the element
@@ -157,9 +157,10 @@ def _bit_rounding_operand() -> torch.Tensor:
 
 @pytest.mark.parametrize("elem", sorted(ELEM_FORMATS))
 @pytest.mark.parametrize("mode", list(ScaleMode))
-def test_bf16_fake_quantization_by_bit_rounding_equals_the_numerics_core(elem, mode):
-    """bf16 -> bf16 / fp32 fake quantization rounds the inputs' own bits where a block allows it
-    and runs the fp32 arithmetic elsewhere: both equal the numerics core, in rows and columns."""
+def test_bf16_quantization_by_bit_rounding_equals_the_numerics_core(elem, mode):
+    """bf16 -> fp8 quantization and bf16 -> bf16 / fp32 fake quantization round the inputs' own
+    bits where a block allows it and run the fp32 arithmetic elsewhere: both equal the numerics
+    core (fp8 bytes, scales, values), in rows and columns."""
     x = _bit_rounding_operand()  # (522 blocks, 32)
     _check(x, 1, elem, mode, 32)
     _check(x.t().contiguous(), 0, elem, mode, 32)

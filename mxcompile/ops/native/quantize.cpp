@@ -275,27 +275,27 @@ inline f32v fp8_values(i32v code, float unbias, const MXFormat& f) {
     return (f32v)(special | ((code & 0x80) << 24));
 }
 
-// ---- bit rounding: fake quantization of bf16 by rounding its own bits ----
+// ---- bit rounding: MX quantization of bf16 by rounding its own bits ----
 //
 // A block's scale is a power of two, so x * inverse has x's significand. Where it lies in the
 // element format's normal range, rounding it to mantissa_bits is rounding x's own significand:
 // done on the bf16 patterns with fp8_bytes' integer rule, in 16-bit lanes, nothing multiplied,
 // the result is the rounded x itself (at most mantissa_bits + 1 significant bits: exact in bf16
-// and fp32). Elements in the subnormal range (0 < |x| < min_normal * scale) round to a fixed
+// and fp32), and its exponent and kept mantissa bits, re-biased, are the fp8 byte. Elements in the subnormal range (0 < |x| < min_normal * scale) round to a fixed
 // quantum instead; a block (a column strip) holding one runs the fp32 arithmetic, as do blocks
 // whose normal range starts below bf16's (scale bytes below exponent_bias) and NaN blocks. The
 // clamp of the floor and even rules (max_normal * scale) is a bf16 pattern too, or one above
-// every finite magnitude where that product exceeds bf16's range. Not for fp8 results, whose
-// fp32 path is integer arithmetic already (this one was 1.1x slower there), nor for fp16 results
-// (a conversion), nor fp32 inputs (1.2x slower in 32-bit lanes). Against the fp32 path
-// (benchmarks/native_ab.py), bf16 -> bf16: rows 0.74-0.82x, columns 0.77-0.88x (1.0x at 4096^2).
+// every finite magnitude where that product exceeds bf16's range. Not for fp16 results (a
+// conversion), nor fp32 inputs (1.2x slower in 32-bit lanes). Against the fp32 path
+// (benchmarks/native_ab.py), bf16 -> bf16: rows 0.74-0.82x, columns 0.77-0.88x (1.0x at 4096^2);
+// bf16 -> fp8: FIGURES.
 
 constexpr int kBf16MantissaBits = 7;
 constexpr uint16_t kBf16Magnitude = 0x7FFF;
 
 // Whether a kIn -> kOut quantization takes bit rounding.
 template <int32_t kIn, int32_t kOut>
-constexpr bool kBitRounding = kIn == BF16 && (kOut == BF16 || kOut == F32);
+constexpr bool kBitRounding = kIn == BF16 && (kOut == BF16 || kOut == F32 || kOut == FP8);
 
 // The lane-wise bounds of bit rounding for blocks with these scale bytes, as bf16 patterns: the
 // smallest magnitude of the normal range less one (kBf16Magnitude where the block cannot take
@@ -318,17 +318,26 @@ inline BitBounds bit_bounds(i32v bytes, const MXFormat& f) {
 // The rounding of one strip: its clamp as bf16 lanes, and the rounding constants.
 struct BitRounding {
     u16v clamp;
+    u16v code_offset;        // fp8 results: (scale byte - exponent_bias) << mantissa_bits, the
+                             // difference of the rounded pattern's top bits and the fp8 byte
     int dropped;             // the mantissa bits rounded off
     uint16_t half_less_one;  // half the kept part's unit, less one
 };
 
-inline BitRounding bit_rounding(i32v clamp, const MXFormat& f) {
+// Lane j's rounding in every lane (block j of a group of the row layout).
+inline BitRounding broadcast_lane(const BitRounding& r, int j) {
+    return {u16v{} + r.clamp[j], u16v{} + r.code_offset[j], r.dropped, r.half_less_one};
+}
+
+inline BitRounding bit_rounding(i32v bytes, i32v clamp, const MXFormat& f) {
     const int dropped = kBf16MantissaBits - f.mantissa_bits;
-    return {__builtin_convertvector(clamp, u16v), dropped, (uint16_t)((1u << (dropped - 1)) - 1)};
+    return {__builtin_convertvector(clamp, u16v),
+            __builtin_convertvector((bytes - f.exponent_bias) << f.mantissa_bits, u16v), dropped,
+            (uint16_t)((1u << (dropped - 1)) - 1)};
 }
 
 // `count` vectors of n lanes at start, start + stride, ..., none of whose magnitudes lies in
-// (0, normal_min), fake-quantized by bit rounding.
+// (0, normal_min), rounded by bit rounding: fake-quantized, or as fp8 bytes.
 template <int32_t kOut, bool kClamp>
 inline void bit_rounded_strip(const void* x, void* out, int64_t start, int64_t stride, int64_t count, int n,
                               const BitRounding& r) {
@@ -339,12 +348,19 @@ inline void bit_rounded_strip(const void* x, void* out, int64_t start, int64_t s
         u16v magnitude = h & kBf16Magnitude;
         if constexpr (kClamp) magnitude = magnitude < r.clamp ? magnitude : r.clamp;
         const u16v rounded = magnitude + r.half_less_one + ((magnitude >> r.dropped) & 1);
-        const u16v value = (rounded & (uint16_t) ~((1u << r.dropped) - 1)) | (h & (uint16_t) ~kBf16Magnitude);
-        if constexpr (kOut == BF16) {
-            copy_lanes<uint16_t>(static_cast<uint16_t*>(out) + index, &value, n);
-        } else {  // fp32: the pattern widened
-            const u32v wide = fp32_bits_from_bf16(value);
-            copy_lanes<float>(static_cast<float*>(out) + index, &wide, n);
+        if constexpr (kOut == FP8) {  // the kept exponent and mantissa bits, re-biased; zeros stay zero
+            u16v code = (rounded >> r.dropped) - r.code_offset;
+            code = magnitude == 0 ? u16v{} : code;
+            const u8v b = __builtin_convertvector(code | ((h >> 8) & 0x80), u8v);
+            copy_lanes<uint8_t>(static_cast<uint8_t*>(out) + index, &b, n);
+        } else {
+            const u16v value = (rounded & (uint16_t) ~((1u << r.dropped) - 1)) | (h & (uint16_t) ~kBf16Magnitude);
+            if constexpr (kOut == BF16) {
+                copy_lanes<uint16_t>(static_cast<uint16_t*>(out) + index, &value, n);
+            } else {  // fp32: the pattern widened
+                const u32v wide = fp32_bits_from_bf16(value);
+                copy_lanes<float>(static_cast<float*>(out) + index, &wide, n);
+            }
         }
     }
 }
@@ -537,13 +553,16 @@ constexpr int64_t kParallelMinElements = 1 << 14;
 // by bit rounding those whose lanes of `clean` are set, the others in fp32 arithmetic.
 template <int32_t kIn, int32_t kOut, bool kClamp, Block kBlock>
 inline void quantize_group(const void* x, void* out, int64_t first, int group, int64_t block_size,
-                           const LaneScales& s, i32v clean, const BitBounds& bits, int32_t offset, const MXFormat& f) {
+                           const LaneScales& s, i32v bytes, i32v clean, const BitBounds& bits,
+                           int32_t offset, const MXFormat& f) {
     const int64_t vectors = block_size / kLanes;
+    BitRounding rounding{};
+    if constexpr (kBitRounding<kIn, kOut>) rounding = bit_rounding(bytes, bits.clamp, f);
     for (int j = 0; j < group; ++j) {
         const int64_t start = (first + j) * block_size;
         if constexpr (kBitRounding<kIn, kOut>) {
             if (clean[j]) {
-                bit_rounded_strip<kOut, kClamp>(x, out, start, kLanes, vectors, kLanes, bit_rounding(splat_i(bits.clamp[j]), f));
+                bit_rounded_strip<kOut, kClamp>(x, out, start, kLanes, vectors, kLanes, broadcast_lane(rounding, j));
                 continue;
             }
         }
@@ -589,10 +608,11 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
                 }
                 break;
             case Block::kFinite:
-                quantize_group<kIn, kOut, kClamp, Block::kFinite>(x, out, first, group, block_size, s, clean, bits, offset, f);
+                quantize_group<kIn, kOut, kClamp, Block::kFinite>(x, out, first, group, block_size, s, bytes, clean, bits,
+                                                                  offset, f);
                 break;
             case Block::kNormalResults:
-                quantize_group<kIn, kOut, kClamp, Block::kNormalResults>(x, out, first, group, block_size, s, clean, bits,
+                quantize_group<kIn, kOut, kClamp, Block::kNormalResults>(x, out, first, group, block_size, s, bytes, clean, bits,
                                                                          offset, f);
                 break;
         }
@@ -633,7 +653,7 @@ void quantize_columns(const void* x, void* out, uint8_t* scales, int64_t batch, 
         if constexpr (kBitPath) {
             const BitBounds bits = bit_bounds(bytes, f);
             if (!any_lane(least < bits.normal_min_less_one)) {
-                bit_rounded_strip<kOut, kClamp>(x, out, start, width, block_size, n, bit_rounding(bits.clamp, f));
+                bit_rounded_strip<kOut, kClamp>(x, out, start, width, block_size, n, bit_rounding(bytes, bits.clamp, f));
                 return;
             }
         }
