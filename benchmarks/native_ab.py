@@ -91,18 +91,33 @@ def _bits(t: torch.Tensor | tuple) -> list[torch.Tensor]:
     return [x.view(torch.uint8).clone() for x in tensors]
 
 
+BLOCK_SIZE = 32
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """--shapes' ROWSxCOLUMNS, both positive multiples of the block size (both axes are quantized)."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give ROWSxCOLUMNS, e.g. 4096x4096")
+    rows, columns = int(parts[0]), int(parts[1])
+    if not rows or not columns or rows % BLOCK_SIZE or columns % BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: rows and columns must be positive multiples of the block size "
+                                         f"{BLOCK_SIZE} (the cases quantize along both)")
+    return rows, columns
+
+
 def _cases(shape: tuple[int, int], elem: str) -> list[tuple[str, Callable[[], object]]]:
     fmt, rceil, floor = ELEM_FORMATS[elem], ScaleMode.RCEIL, ScaleMode.FLOOR
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    data, scales = native.quantize(x, 1, fmt, rceil, 32)
+    data, scales = native.quantize(x, 1, fmt, rceil, BLOCK_SIZE)
     return [
-        ("quantize rows", lambda: native.quantize(x, 1, fmt, rceil, 32)),
-        ("quantize columns", lambda: native.quantize(x, 0, fmt, rceil, 32)),
-        ("quantize rows, floor", lambda: native.quantize(x, 1, fmt, floor, 32)),
-        ("fake quantize rows", lambda: native.fake_quantize(x, 1, fmt, rceil, 32, torch.bfloat16)),
-        ("fake quantize columns", lambda: native.fake_quantize(x, 0, fmt, rceil, 32, torch.bfloat16)),
-        ("fake quantize rows, floor", lambda: native.fake_quantize(x, 1, fmt, floor, 32, torch.bfloat16)),
-        ("dequantize rows", lambda: native.dequantize(data, scales, 1, 32, torch.bfloat16)),
+        ("quantize rows", lambda: native.quantize(x, 1, fmt, rceil, BLOCK_SIZE)),
+        ("quantize columns", lambda: native.quantize(x, 0, fmt, rceil, BLOCK_SIZE)),
+        ("quantize rows, floor", lambda: native.quantize(x, 1, fmt, floor, BLOCK_SIZE)),
+        ("fake quantize rows", lambda: native.fake_quantize(x, 1, fmt, rceil, BLOCK_SIZE, torch.bfloat16)),
+        ("fake quantize columns", lambda: native.fake_quantize(x, 0, fmt, rceil, BLOCK_SIZE, torch.bfloat16)),
+        ("fake quantize rows, floor", lambda: native.fake_quantize(x, 1, fmt, floor, BLOCK_SIZE, torch.bfloat16)),
+        ("dequantize rows", lambda: native.dequantize(data, scales, 1, BLOCK_SIZE, torch.bfloat16)),
     ]
 
 
@@ -129,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision of the baseline's quantize.cpp (A)")
     parser.add_argument("--candidate-rev", help="git revision of the candidate (B; default: the working tree)")
-    parser.add_argument("--shapes", nargs="+", default=["1024x1024", "4096x1024", "4096x4096"], help="RxC")
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=[(1024, 1024), (4096, 1024), (4096, 4096)],
+                        help="ROWSxCOLUMNS, multiples of 32")
     parser.add_argument("--elem", default="e4m3", choices=sorted(ELEM_FORMATS))
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=21)
@@ -142,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'case':<26} {'shape':>10} {'threads':>7} {'A ms':>8} {'B ms':>8} {'B/A':>6}  same bits")
         different = 0
         with _reused_outputs():
-            for shape_text in args.shapes:
-                shape = tuple(int(n) for n in shape_text.split("x"))
+            for shape in args.shapes:
+                shape_text = "x".join(map(str, shape))
                 for threads in args.threads:
                     torch.set_num_threads(threads)
                     for name, fn in _cases(shape, args.elem):

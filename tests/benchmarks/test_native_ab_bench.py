@@ -20,3 +20,13 @@ def test_native_ab_compares_two_builds_side_by_side() -> None:
     rows = [line for line in result.stdout.splitlines() if line.strip().endswith(("True", "False"))]
     assert len(rows) == 7 and all(row.strip().endswith("True") for row in rows), result.stdout
     assert not list((REPO / "mxcompile" / "ops" / "native").glob("*.so")), "a build written into the package"
+
+
+def test_a_shape_the_cases_cannot_quantize_is_named_before_anything_is_built() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "native_ab.py"), "--base", "HEAD", "--shapes", "4096x4112"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "'4096x4112': rows and columns must be positive multiples of the block size 32" in result.stderr
+    assert "Traceback" not in result.stderr
