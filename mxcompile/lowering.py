@@ -117,7 +117,7 @@ def runs_triton_mx_gemm(kernel: GemmKernel, device: torch.device) -> bool:
     CPU graphs never do (no Triton). On CUDA, "auto" takes the Triton kernel where the GPU has
     MX tensor cores: below sm100 Triton emulates tl.dot_scaled through bf16, which on an H200
     ran at 193 TFLOP/s against cuBLAS bf16's 720-737 on the same exact products
-    (benchmarks/results/h200-2026-12-04/gpu_kernels.log)."""
+    (`benchmarks/gpu_kernels.py`, 2026-12-04: the README's GPU section)."""
     if torch.device(device).type != "cuda":
         return False
     if kernel is GemmKernel.AUTO:
