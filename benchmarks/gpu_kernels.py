@@ -11,7 +11,7 @@ On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this s
     python benchmarks/gpu_kernels.py --tiny
 No GPU needed: compile every kernel and autotune config for sm90 and sm100 with a real launch's
 argument specialisation and report whether its main loop is software-pipelined (async copies or
-TMA into two or more shared-memory buffers):
+TMA into two or more shared-memory buffers), and its registers and spilled bytes per thread:
     python benchmarks/gpu_kernels.py --pipelining [90 100]
 
 Quantize traffic counts what a kernel must move: the input read once plus each written copy
@@ -38,7 +38,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--skip", nargs="*", default=[], choices=["quantize", "gemm", "attention"])
     p.add_argument("--pipelining", type=int, nargs="*", metavar="SM",
-                   help="no GPU: main-loop pipelining per kernel and config (default: 90 100)")
+                   help="no GPU: main-loop pipelining, registers and spills per kernel and config "
+                        "(default: 90 100)")
     return p.parse_args()
 
 
@@ -355,13 +356,13 @@ def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
 def report_pipelining(capabilities: list[int]) -> int:
     print("main-loop pipelining, compiled without a GPU with a real launch's specialisation")
     header = (f"{'sm':>4} {'kernel':34s} {'config (tiles, warps, stages)':40s} {'smem KiB':>8} "
-              f"{'cp.async':>8} {'TMA':>4} {'buffers':>7}  pipelined")
+              f"{'cp.async':>8} {'TMA':>4} {'buffers':>7} {'pipelined':>9} {'regs':>5} {'spill B':>7}")
     print(header)
     for capability in capabilities:
         for label, config, r in pipelining_rows(capability):
             print(f"{capability:>4} {label:34s} {config:40s} {r.shared_bytes / 1024:8.1f} "
-                  f"{r.async_copies:8d} {r.tma_copies:4d} {r.buffers:7d}  "
-                  f"{'yes' if r.pipelined else 'NO'}", flush=True)
+                  f"{r.async_copies:8d} {r.tma_copies:4d} {r.buffers:7d} {'yes' if r.pipelined else 'NO':>9} "
+                  f"{r.registers:5d} {r.stack_bytes:7d}", flush=True)
     return 0
 
 

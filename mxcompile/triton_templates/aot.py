@@ -6,7 +6,8 @@ lower a kernel to PTX and a cubin with no device present, given a `GPUTarget`. `
 runs one of the launchers with `meta` tensors and a capturing `wrap`, so the argument list and
 meta-parameters are exactly the launcher's, and compiles what it would have launched, with the
 argument specialisation a real launch gets. `pipeline_report` reads from the result whether a
-kernel's main loop is software-pipelined.
+kernel's main loop is software-pipelined, and how many registers and how much stack (register
+spills) each thread of it takes.
 
 Without that specialisation (no `tt.divisibility` on pointers and strides, unit strides not
 constant) Triton cannot prove loads 16-byte aligned and contiguous, and even a textbook matmul
@@ -16,6 +17,8 @@ compiles to one shared-memory stage with no async copies: judge pipelining only 
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -123,17 +126,41 @@ class PipelineReport:
     their commits and waits; TMA excluded). tma_copies: `cp.async.bulk.tensor` (TMA)
     instructions. buffers: the largest number of copies of one tile kept in shared memory (the
     leading dimension of a multi-buffered allocation: num_stages - 1 or num_stages when the
-    pipeliner ran, 1 otherwise). shared_bytes: the kernel's shared memory."""
+    pipeliner ran, 1 otherwise). shared_bytes: the kernel's shared memory. registers and
+    stack_bytes: per thread, from the cubin (`resource_usage`); the kernels declare no local
+    arrays, so a stack is registers spilled to local memory."""
 
     shared_bytes: int
     async_copies: int
     tma_copies: int
     buffers: int
+    registers: int
+    stack_bytes: int
 
     @property
     def pipelined(self) -> bool:
         """Loads issued asynchronously into at least two shared-memory buffers."""
         return (self.async_copies > 0 or self.tma_copies > 0) and self.buffers >= 2
+
+
+# `cuobjdump -res-usage`: "Function name:\n REG:255 STACK:2768 SHARED:1024 LOCAL:0 ...".
+_RESOURCE_USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
+
+
+def resource_usage(kernel: Any) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of a compiled kernel (from `compile_launch`), read
+    from its cubin by the cuobjdump that Triton ships (`triton.knobs.nvidia.cuobjdump`)."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        listing = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
+                                 capture_output=True, text=True, check=True).stdout
+    found = _RESOURCE_USAGE.search(listing)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage printed no REG/STACK line: {listing[:300]!r}")
+    return int(found.group(1)), int(found.group(2))
 
 
 def pipeline_report(kernel: Any) -> PipelineReport:
@@ -145,9 +172,12 @@ def pipeline_report(kernel: Any) -> PipelineReport:
         for dims in _LOCAL_ALLOC.findall(ttgir)
         if dims.count("x") >= 3  # a stack of 2-D tiles (2-D and 1-D allocations are single)
     ]
+    registers, stack_bytes = resource_usage(kernel)
     return PipelineReport(
         shared_bytes=int(kernel.metadata.shared),
         async_copies=ptx.count("cp.async.") - ptx.count("cp.async.bulk"),
         tma_copies=tma,
         buffers=max(buffers, default=1),
+        registers=registers,
+        stack_bytes=stack_bytes,
     )

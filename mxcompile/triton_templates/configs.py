@@ -95,11 +95,16 @@ def attention_autotune_configs() -> list[triton.Config]:
 def attention_backward_autotune_configs(kernel: str) -> list[triton.Config]:
     """Tile configs of the MX attention backward kernels ("dkdv": BLOCK_N keys per program,
     BLOCK_M queries per step; "dq": the reverse). Shapes after the Triton fused-attention
-    tutorial's backward (dK/dV: 32 x 128, dQ: 128 x 32, 4 warps), plus square 64-tiles; untimed
-    so far (no GPU was available)."""
+    tutorial's backward (dK/dV: 32 x 128, dQ: 128 x 32, 4 warps), plus square 64-tiles, plus the
+    narrow shapes with 8 warps: compiled for sm90 at head_dim 128 (`gpu_kernels.py
+    --pipelining 90`), every config spills registers (the tiles are quantized in-kernel), the
+    4-warp tutorial shapes 2.3-2.8 KB per thread, their 8-warp versions 0.1-0.6 KB. Untimed so
+    far (no GPU was available): the autotuner picks among them on a GPU."""
     shapes = {
-        "dkdv": [(32, 128, 3, 4), (64, 64, 3, 4), (64, 128, 3, 8), (32, 64, 3, 4)],
-        "dq": [(128, 32, 3, 4), (64, 64, 3, 4), (128, 64, 3, 8), (64, 32, 3, 4)],
+        "dkdv": [(32, 128, 3, 4), (64, 64, 3, 4), (64, 128, 3, 8), (32, 64, 3, 4), (32, 128, 3, 8),
+                 (32, 64, 3, 8)],
+        "dq": [(128, 32, 3, 4), (64, 64, 3, 4), (128, 64, 3, 8), (64, 32, 3, 4), (128, 32, 3, 8),
+               (64, 32, 3, 8)],
     }[kernel]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)

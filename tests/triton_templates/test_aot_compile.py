@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mxcompile.numerics import E4M3, ScaleMode
-from mxcompile.triton_templates.aot import _Capture, _signature, compile_launch, pipeline_report
+from mxcompile.triton_templates.aot import _Capture, _signature, compile_launch, pipeline_report, resource_usage
 from mxcompile.triton_templates.attention import AttentionKey, attention_launch
 from mxcompile.triton_templates.attention_backward import (
     AttentionBackwardKey,
@@ -80,6 +80,9 @@ def test_quantize_compiles_sm90(cast: str) -> None:
     assert kernel.asm["cubin"]
     # The hardware cast is the saturating round-to-nearest-even conversion instruction.
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (cast == "hardware")
+    # A 64 x 64 tile quantized both ways fits in registers: nothing spills (130-148 registers).
+    registers, stack_bytes = resource_usage(kernel)
+    assert 0 < registers <= 255 and stack_bytes == 0, (registers, stack_bytes)
 
 
 @pytest.mark.slow
