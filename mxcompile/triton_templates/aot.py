@@ -164,7 +164,8 @@ def resource_usage(kernel: Any) -> tuple[int, int]:
 
 
 def pipeline_report(kernel: Any) -> PipelineReport:
-    """Read a compiled kernel (from `compile_launch`) for signs of software pipelining."""
+    """Read a compiled kernel (from `compile_launch`) for signs of software pipelining, and
+    its registers and spills."""
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     tma = ptx.count("cp.async.bulk.tensor")
     buffers = [
