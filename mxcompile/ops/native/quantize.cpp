@@ -281,16 +281,17 @@ inline f32v fp8_values(i32v code, float unbias, const MXFormat& f) {
 // element format's normal range, rounding it to mantissa_bits is rounding x's own significand:
 // done on the bf16 patterns with fp8_bytes' integer rule, in 16-bit lanes, nothing multiplied,
 // the result is the rounded x itself (at most mantissa_bits + 1 significant bits: exact in bf16
-// and fp32), and its exponent and kept mantissa bits, re-biased, are the fp8 byte. Elements in the subnormal range (0 < |x| < min_normal * scale) round to a fixed
-// quantum instead; a block (a column strip) holding one runs the fp32 arithmetic, as do blocks
-// whose normal range starts below bf16's (scale bytes below exponent_bias) and NaN blocks. The
-// clamp of the floor and even rules (max_normal * scale) is a bf16 pattern too, or one above
-// every finite magnitude where that product exceeds bf16's range. Not for fp16 results (a
-// conversion), nor fp32 inputs (1.2x slower in 32-bit lanes). Against the fp32 path
-// (benchmarks/native_ab.py), bf16 -> bf16: rows 0.74-0.82x, columns 0.77-0.88x (1.0x at 4096^2);
-// bf16 -> fp8 (native_ab.py --base 6d5c698): rows 0.92-0.96x, columns 0.75-0.87x (1.0x at
-// 4096^2), rows under the floor rule 0.72-0.78x. Its group's constants are computed once per
-// group: converted per block, they cost what the rounding saved (1.1x slower).
+// and fp32), and its exponent and kept mantissa bits, re-biased, are the fp8 byte. Elements in
+// the subnormal range (0 < |x| < min_normal * scale) round to a fixed quantum instead; a block
+// (a column strip) holding one runs the fp32 arithmetic, as do blocks whose normal range starts
+// below bf16's (scale bytes below exponent_bias) and NaN blocks. The clamp of the floor and even
+// rules (max_normal * scale) is a bf16 pattern too, or one above every finite magnitude where
+// that product exceeds bf16's range. Not for fp16 results (a conversion), nor fp32 inputs (1.2x
+// slower in 32-bit lanes). Against the fp32 path (benchmarks/native_ab.py), bf16 -> bf16: rows
+// 0.74-0.82x, columns 0.77-0.88x (1.0x at 4096^2); bf16 -> fp8 (native_ab.py --base 6d5c698):
+// rows 0.92-0.96x, columns 0.75-0.87x (1.0x at 4096^2), rows under the floor rule 0.72-0.78x.
+// A row group's constants are converted once per group: converted per block, they cost what
+// the rounding saved (1.1x slower).
 
 constexpr int kBf16MantissaBits = 7;
 constexpr uint16_t kBf16Magnitude = 0x7FFF;
