@@ -553,14 +553,13 @@ constexpr int64_t kParallelMinElements = 1 << 14;
 // sequence of all blocks, 16 at a time, whatever the row length. ----
 
 // The blocks first, ..., first + group - 1 of the row layout, all of one finite Block kind:
-// by bit rounding those whose lanes of `clean` are set, the others in fp32 arithmetic.
+// by bit rounding (lane j of `rounding`) those whose lanes of `clean` are set, the others in
+// fp32 arithmetic (lane j of `s`).
 template <int32_t kIn, int32_t kOut, bool kClamp, Block kBlock>
 inline void quantize_group(const void* x, void* out, int64_t first, int group, int64_t block_size,
-                           const LaneScales& s, i32v bytes, i32v clean, const BitBounds& bits,
-                           int32_t offset, const MXFormat& f) {
+                           const LaneScales& s, const BitRounding& rounding, i32v clean, int32_t offset,
+                           const MXFormat& f) {
     const int64_t vectors = block_size / kLanes;
-    BitRounding rounding{};
-    if constexpr (kBitRounding<kIn, kOut>) rounding = bit_rounding(bytes, bits.clamp, f);
     for (int j = 0; j < group; ++j) {
         const int64_t start = (first + j) * block_size;
         if constexpr (kBitRounding<kIn, kOut>) {
@@ -596,10 +595,11 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
         const i32v bytes = scale_bytes(lane_maxima(partial), f);
         const LaneScales s = lane_scales(bytes);
         if (scales) store_bytes(scales, first, bytes, group);
-        BitBounds bits{};
+        BitRounding rounding{};
         i32v clean{};
-        if constexpr (kBitPath) {
-            bits = bit_bounds(bytes, f);
+        if constexpr (kBitPath) {  // the group's rounding converted once, broadcast per block
+            const BitBounds bits = bit_bounds(bytes, f);
+            rounding = bit_rounding(bytes, bits.clamp, f);
             clean = lane_minima(least) >= bits.normal_min_less_one;
         }
         switch (block_kind<kOut>(bytes, group, f)) {
@@ -611,12 +611,12 @@ void quantize_rows(const void* x, void* out, uint8_t* scales, int64_t rows, int6
                 }
                 break;
             case Block::kFinite:
-                quantize_group<kIn, kOut, kClamp, Block::kFinite>(x, out, first, group, block_size, s, bytes, clean, bits,
+                quantize_group<kIn, kOut, kClamp, Block::kFinite>(x, out, first, group, block_size, s, rounding, clean,
                                                                   offset, f);
                 break;
             case Block::kNormalResults:
-                quantize_group<kIn, kOut, kClamp, Block::kNormalResults>(x, out, first, group, block_size, s, bytes, clean, bits,
-                                                                         offset, f);
+                quantize_group<kIn, kOut, kClamp, Block::kNormalResults>(x, out, first, group, block_size, s, rounding,
+                                                                         clean, offset, f);
                 break;
         }
     }
