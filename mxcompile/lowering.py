@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters, dynamo_timed
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
@@ -241,10 +242,28 @@ class _Input:
     index: int
 
 
+def _own_values(values: Any, fake_mode: Any) -> Any:
+    """`values` with each tensor replaced by an alias of it: a new tensor object with the same
+    sizes, strides and storage offset.
+
+    make_fx binds a traced function's inputs to its placeholders by tensor identity, so two
+    inputs that are one tensor object are both traced as the last one bound. Two graph nodes
+    can carry one fake value object: every splice of a reused trace copies the trace's own
+    values (fx `node_copy` copies meta), and the memory plan shares a value between a saved
+    node and its reload. Then a trace that reads both nodes read only one of them: on a fused
+    qkv + rotary + SDPA block, the backward's `cat([dq, dk, dv])` was traced as
+    `cat([dk, dk, dv])`, and the query rows of the qkv weight's gradient were silently
+    replaced by the key rows' (issue 35)."""
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return pytree.tree_map_only(torch.Tensor, torch.ops.aten.alias.default, values)
+
+
 class _NodeDecomposer:
     """Replaces single nodes of `gm` by their traces under `table`: each node's function is
     traced alone (make_fx, on its inputs' fake values) and the trace spliced in its place.
-    Traces are reused between nodes with the same target and input signature (repeated layers)."""
+    Traces are reused between nodes with the same target and input signature (repeated layers).
+    Every traced input and every spliced node has a fake value object of its own
+    (`_own_values`)."""
 
     def __init__(self, gm: fx.GraphModule, table: dict, fake_mode: Any):
         self.gm, self.table, self.fake_mode = gm, table, fake_mode
@@ -252,7 +271,7 @@ class _NodeDecomposer:
         self.constants = 0
 
     def _trace(self, node: fx.Node, inputs: list[fx.Node]) -> fx.GraphModule:
-        values = [n.meta["val"] for n in inputs]
+        values = _own_values([n.meta["val"] for n in inputs], self.fake_mode)
         position = {n: _Input(i) for i, n in enumerate(inputs)}
         structure = fx.node.map_arg((node.args, node.kwargs), position.__getitem__)
         key = (node.target, tuple(_signature(v) for v in values),
@@ -292,6 +311,8 @@ class _NodeDecomposer:
                     env[sub].meta.update(sub.meta)
                 else:
                     env[sub] = graph.node_copy(sub, env.__getitem__)
+                    if "val" in sub.meta:  # not the trace's value object, shared by its other splices
+                        env[sub].meta["val"] = _own_values(sub.meta["val"], self.fake_mode)
         if isinstance(result, (tuple, list)):  # a multi-output op: its users are getitems
             for user in list(node.users):
                 if user.target is not operator.getitem:
