@@ -1,0 +1,164 @@
+"""Hugging Face `Trainer` with the mxfp8 backend.
+
+`TrainingArguments(torch_compile=True, torch_compile_backend="mxfp8")` does not work: the
+Trainer hands the backend name to accelerate, which accepts only the names of its own
+`DynamoBackend` list and raises "'MXFP8' is not a valid DynamoBackend" before any graph is
+compiled. The way that works is to compile the model before the Trainer sees it:
+
+    from mxcompile.integrations.hf import MXReportCallback, compile_model
+
+    trainer = Trainer(model=compile_model(model, args), args=args, train_dataset=...,
+                      callbacks=[MXReportCallback()])
+
+`compile_model` compiles the model in place with the mxfp8 backend, so that the Trainer still
+sees the model's own class and forward signature (and it refuses arguments that would make the
+Trainer compile again); `MXReportCallback` puts the share of GEMM FLOPs that ran in MXFP8 into
+the Trainer's log history and says at the end of training what was kept in high precision.
+Nothing here patches transformers or accelerate.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import OptimizedModule
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..backend import mxfp8_backend, report_of
+from ..config import MXConfig
+from ..coverage import warn_uncompiled
+
+logger = logging.getLogger(__name__)
+
+# The keys MXReportCallback adds to each log entry.
+FLOP_FRACTION_KEY = "mx_gemm_flop_fraction"
+GRAPHS_KEY = "mx_graphs"
+KEPT_REASONS_SHOWN = 3
+
+
+def compile_model(
+    model: torch.nn.Module, args: TrainingArguments | None = None, config: MXConfig | None = None,
+    **torch_compile_kwargs: Any,
+) -> torch.nn.Module:
+    """Compiles `model` in place with the mxfp8 backend (`Module.compile`) and returns it, to
+    pass as `Trainer(model=...)`.
+
+    In place rather than `torch.compile(model)`: the Trainer reads the model's class and its
+    forward's signature, and the wrapper torch.compile returns has neither. Its forward takes
+    `(*args, **kwargs)`, so with the default `remove_unused_columns=True` the Trainer drops every
+    column of the batch ("The batch received was empty"), and it finds no label names, so
+    evaluation reports no loss. An HF model's forward is transformers code, which dynamo traces
+    from `Module.compile` as from `torch.compile`; layers it would not trace are warned about.
+
+    `args`, when given, are the TrainingArguments the Trainer will get: with `torch_compile=True`
+    the Trainer would compile again through accelerate, which refuses the mxfp8 backend, so
+    that is an error here, named before the Trainer starts. `config` is the MXConfig (default
+    `MXConfig()`); `torch_compile_kwargs` go to `Module.compile` (e.g. `dynamic=True`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"compile_model takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError("the model is already compiled: pass the uncompiled module to compile_model, "
+                         "or pass the compiled one to the Trainer directly")
+    if args is not None and args.torch_compile:
+        raise ValueError(
+            f"TrainingArguments(torch_compile=True, torch_compile_backend={args.torch_compile_backend!r}) "
+            "make the Trainer compile the model again through accelerate, which accepts only its own "
+            "backend names (\"'MXFP8' is not a valid DynamoBackend\"): set torch_compile=False; "
+            "compile_model compiles the model with the mxfp8 backend")
+    if "backend" in torch_compile_kwargs or "options" in torch_compile_kwargs:
+        raise ValueError("compile_model sets the backend itself; pass config=MXConfig(...)")
+    config = config if config is not None else MXConfig()
+    if not isinstance(config, MXConfig):
+        raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    backend = functools.partial(mxfp8_backend, config=config)
+    backend.__name__ = "mxfp8"  # type: ignore[attr-defined]  (dynamo names backends in its logs)
+    model.compile(backend=backend, **torch_compile_kwargs)
+    warn_uncompiled(model)
+    return model
+
+
+@dataclass(frozen=True)
+class MXShare:
+    """What ran in MXFP8 for one model, over the retained reports of its compiled graphs
+    (`mxcompile.report_of`): one report per graph, recompiles (new shapes, eval) included."""
+
+    graphs: int
+    gemms: int
+    converted_gemms: int
+    gemm_flops: int
+    converted_flops: int
+    kept_reasons: tuple[str, ...]  # the reasons that kept the most GEMM FLOPs, most first
+
+    @property
+    def converted_flop_fraction(self) -> float:
+        return self.converted_flops / self.gemm_flops if self.gemm_flops else 0.0
+
+    def summary(self) -> str:
+        """One line, e.g. '2 graphs: 30 of 32 GEMMs in MXFP8, 99.1% of GEMM FLOPs; kept: ...'."""
+        line = (f"{self.graphs} graph(s): {self.converted_gemms} of {self.gemms} GEMMs in MXFP8, "
+                f"{self.converted_flop_fraction:.1%} of GEMM FLOPs")
+        return line + (f"; kept: {'; '.join(self.kept_reasons)}" if self.kept_reasons else "")
+
+
+def mx_share(model: torch.nn.Module) -> MXShare:
+    """The MXFP8 share of `model`'s compiled graphs (the module, or what torch.compile returned
+    for it)."""
+    reports = report_of(model)
+    flops_by_reason: dict[str, int] = {}
+    for report in reports:
+        for reason, flops, _ in report.kept_flops_by_reason():
+            flops_by_reason[reason] = flops_by_reason.get(reason, 0) + flops
+    reasons = sorted(flops_by_reason, key=lambda r: -flops_by_reason[r])[:KEPT_REASONS_SHOWN]
+    return MXShare(
+        graphs=len(reports),
+        gemms=sum(len(r.decisions) for r in reports),
+        converted_gemms=sum(r.totals()["converted"] for r in reports),
+        gemm_flops=sum(r.gemm_flops_total for r in reports),
+        converted_flops=sum(r.gemm_flops_converted for r in reports),
+        kept_reasons=tuple(reasons),
+    )
+
+
+class MXReportCallback(TrainerCallback):
+    """Records what ran in MXFP8 in the Trainer's logs.
+
+    At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs in MXFP8 over all GEMM FLOPs
+    of the model's compiled graphs) and `mx_graphs` (how many graphs were compiled) to the log
+    entry in `trainer.state.log_history` (saved with checkpoints in trainer_state.json) and to
+    the logs the callbacks after this one see. The Trainer's own printer and reporters are
+    default callbacks and run before user callbacks, so they show the entry without these keys.
+    At the end of training it logs one summary line (logger `mxcompile.integrations.hf`) and
+    warns when no graph of the model was compiled by mxcompile: then the model was not compiled
+    with the mxfp8 backend, and nothing ran in MXFP8."""
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        logs: dict[str, float] | None = None, model: torch.nn.Module | None = None, **kwargs: Any,
+    ) -> None:
+        if model is None or logs is None:
+            return
+        share = mx_share(model)
+        values = {FLOP_FRACTION_KEY: share.converted_flop_fraction, GRAPHS_KEY: share.graphs}
+        logs.update(values)
+        # Trainer.log appended a copy of these logs (with the step) just before calling on_log.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        model: torch.nn.Module | None = None, **kwargs: Any,
+    ) -> None:
+        if model is None:
+            return
+        share = mx_share(model)
+        if share.graphs == 0:
+            warnings.warn("mxcompile compiled no graph of this model: it was not compiled with the mxfp8 backend, "
+                          "and no GEMM ran in MXFP8; pass Trainer(model=mxcompile.integrations.hf.compile_model("
+                          "model, args))", UserWarning, stacklevel=2)
+            return
+        logger.info("mxcompile: %s", share.summary())
