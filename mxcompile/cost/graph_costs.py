@@ -40,7 +40,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from ..passes.graph_facts import concrete_int, value_device
+from ..graph_meta import concrete_int, value_device
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
 from .profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
