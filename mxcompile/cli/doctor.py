@@ -1,7 +1,8 @@
 """`mxcompile doctor`: what this installation can run, one pass/fail line per check and the fix
 for each failure, for bug reports.
 
-Checks: the torch, Triton and transformers versions; that torch finds the mxfp8 backend; CUDA
+Checks: the torch version against the supported range (`TORCH_RANGE`), the Triton and
+transformers versions; that torch finds the mxfp8 backend; CUDA
 and the GPU's architecture (Hopper sm90, Blackwell sm100); the path each kernel takes here
 (MX quantize, MX GEMM, attention forward and backward) under the default `MXConfig`; the demo's
 corpus and profile's plotting. The kernel paths are the library's own decisions
@@ -32,15 +33,29 @@ from . import plots
 from .errors import EXIT_FAILURE, EXIT_OK, one_line
 
 # The minimum versions pyproject.toml declares (tests/cli/test_doctor.py keeps them in step).
-MIN_TORCH = (2, 13)
+MIN_TORCH = (2, 11)
 MIN_TRANSFORMERS = (5,)
-TORCH_INSTALL_HINT = "pip install torch==2.13.0"
+# The newest torch release (major, minor) checked with scripts/check_torch.sh (NEWEST_TESTED_TORCH;
+# MIN_TORCH was checked with 2.11.0); CI runs CI_TORCH.
+MAX_TESTED_TORCH = (2, 14)
+NEWEST_TESTED_TORCH = "2.14.1"
+CI_TORCH = "2.13.0"
+TORCH_RANGE = f"{MIN_TORCH[0]}.{MIN_TORCH[1]} to {MAX_TESTED_TORCH[0]}.{MAX_TESTED_TORCH[1]}"
+TORCH_INSTALL_HINT = f"pip install torch=={CI_TORCH} (the release CI runs; any torch {TORCH_RANGE} is supported)"
+# mxcompile reaches into private torch APIs (dynamo, the joint-graph partitioner, Inductor's
+# lowering and caches) as they are in the range; outside it nothing has been run.
+OLD_TORCH_DETAIL = ("below the supported range {range}: never run; mxcompile uses private torch APIs "
+                    "(dynamo, the partitioner, Inductor) as they are from {oldest} on")
+NEW_TORCH_DETAIL = ("newer than the tested range {range}: the private torch APIs mxcompile uses "
+                    "(dynamo, the partitioner, Inductor) may have changed")
+NEW_TORCH_HINT = (f"nothing if the backend works; if compiling fails, check it with `scripts/check_torch.sh VERSION` "
+                  f"or install torch=={NEWEST_TESTED_TORCH}, and report it with this output")
 TRITON_INSTALL_HINT = "pip install triton"
 TRANSFORMERS_INSTALL_HINT = 'pip install "transformers>=5"'
 BACKEND_ENTRY_POINT_GROUP = "torch_dynamo_backends"
 BACKEND_NAME = "mxfp8"
 REINSTALL_HINT = "reinstall mxcompile (`pip install .` in its repository): torch finds the backend through that entry point"
-CUDA_TORCH_HINT = ("on a machine with an NVIDIA GPU, install a CUDA build of torch 2.13 "
+CUDA_TORCH_HINT = (f"on a machine with an NVIDIA GPU, install a CUDA build of torch {TORCH_RANGE} "
                    "(https://pytorch.org/get-started/locally/); on the CPU mxcompile emulates MX in PyTorch")
 CUDA_DEVICE_HINT = "check the NVIDIA driver (`nvidia-smi`) and CUDA_VISIBLE_DEVICES"
 TARGET_ARCHITECTURES = ("Hopper", "Blackwell")
@@ -117,6 +132,18 @@ def package_check(
         return Check(name, False, f"{version}, mxcompile needs >= {_dotted(minimum)}{suffix}", fix, required)
     needs = f", mxcompile needs >= {_dotted(minimum)}" if minimum is not None else ""
     return Check(name, True, f"{version}{needs}{suffix}", required=required)
+
+
+def torch_check(version: str) -> Check:
+    """torch `version` against the supported range: below it a required failure; above it an
+    optional one (it may well work, but nobody has run it); within it a pass."""
+    release = _release(version)[:2]
+    if release < MIN_TORCH:
+        return Check("torch", False, f"{version}, {OLD_TORCH_DETAIL.format(range=TORCH_RANGE, oldest=_dotted(MIN_TORCH))}", TORCH_INSTALL_HINT)
+    if release > MAX_TESTED_TORCH:
+        return Check("torch", False, f"{version}, {NEW_TORCH_DETAIL.format(range=TORCH_RANGE)}", NEW_TORCH_HINT,
+                     required=False)
+    return Check("torch", True, f"{version} (supported: {TORCH_RANGE}; CI runs {CI_TORCH})")
 
 
 def backend_check() -> Check:
@@ -247,7 +274,7 @@ def all_checks() -> list[Check]:
     cuda = cuda_check()
     gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if cuda.passed else (None, None)
     return [
-        package_check("torch", MIN_TORCH, TORCH_INSTALL_HINT, required=True),
+        torch_check(torch.__version__),
         backend_check(),
         package_check("triton", None, TRITON_INSTALL_HINT, required=cuda.passed,
                       purpose="required with a CUDA GPU" if cuda.passed else "used only with a CUDA GPU"),

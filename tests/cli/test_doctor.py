@@ -120,15 +120,66 @@ def test_kernel_paths_report_the_library_decisions(monkeypatch: pytest.MonkeyPat
     assert "FP8 tl.dot per scale block" in checks[1].detail  # resolve_gemm_path: dot_scaled needs 32
 
 
+def _arrays_without_toml(text: str) -> dict[str, list[str]]:
+    """Every `name = [...]` array of strings in pyproject.toml, by name, read without a TOML
+    parser (Python 3.10 has no tomllib): enough for this file, whose arrays hold one quoted
+    requirement per line, with comments after `#`, and no brackets inside the strings."""
+    lines = [re.sub(r"\s*#.*$", "", line) for line in text.splitlines() if not line.lstrip().startswith("#")]
+    arrays = re.findall(r"^([A-Za-z][\w-]*) = \[(.*?)\]", "\n".join(lines), re.DOTALL | re.MULTILINE)
+    return {name: re.findall(r'"([^"]*)"', body) for name, body in arrays}
+
+
+def _pyproject_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """The project's dependencies and its extras: through tomllib (Python 3.11+) or tomli when
+    one imports, else through `_arrays_without_toml`."""
+    text = PYPROJECT.read_text()
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            arrays = _arrays_without_toml(text)
+            return arrays["dependencies"], {name: arrays[name] for name in ("dev", "timm")}
+    project = tomllib.loads(text)["project"]
+    return project["dependencies"], project["optional-dependencies"]
+
+
 def test_minimum_versions_match_pyproject() -> None:
-    # tomllib is in the standard library from Python 3.11; pyproject allows 3.10, where reading
-    # TOML would need a new dependency, so this file check runs on 3.11+ only.
-    tomllib = pytest.importorskip("tomllib", reason="tomllib (Python 3.11+) reads pyproject.toml")
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    requirements = project["dependencies"] + project["optional-dependencies"]["dev"]
+    dependencies, extras = _pyproject_requirements()
+    requirements = dependencies + extras["dev"]
     assert f"torch>={doctor._dotted(doctor.MIN_TORCH)}" in requirements
     assert f"transformers>={doctor._dotted(doctor.MIN_TRANSFORMERS)}" in requirements
-    assert "matplotlib" in project["dependencies"]  # profile's plots need it in a plain install
+    assert "matplotlib" in dependencies  # profile's plots need it in a plain install
+    assert {"accelerate>=1", "peft>=0.17"} <= set(extras["dev"])  # the Trainer and LoRA tests
+    assert extras["timm"] == ["timm>=1"]
+
+
+def test_the_fallback_reads_pyproject_as_tomllib_does() -> None:
+    """The Python 3.10 path of `_pyproject_requirements`, checked where a TOML parser exists."""
+    tomllib = pytest.importorskip("tomllib", reason="the comparison needs tomllib (Python 3.11+)")
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    arrays = _arrays_without_toml(PYPROJECT.read_text())
+    assert arrays["dependencies"] == project["dependencies"]
+    for name, requirements in project["optional-dependencies"].items():
+        assert arrays[name] == requirements, name
+
+
+@pytest.mark.parametrize(
+    ("version", "label"),
+    [("2.10.0", "FAIL"), ("2.11.0+cu130", "pass"), ("2.13.0+cpu", "pass"), ("2.14.1", "pass"),
+     ("2.15.0", "fail"), ("3.0.0.dev20270101", "fail")],
+)
+def test_torch_check_names_the_supported_range(version: str, label: str) -> None:
+    """Below the range a required failure, above it an optional one; each names the range."""
+    check = doctor.torch_check(version)
+    assert check.label == label and check.detail.startswith(version), check
+    assert doctor.TORCH_RANGE == "2.11 to 2.14" and doctor.TORCH_RANGE in check.detail
+    if label == "FAIL":
+        assert "below the supported range" in check.detail and check.fix == doctor.TORCH_INSTALL_HINT
+        assert check.fix.startswith("pip install torch==2.13.0")
+    if label == "fail":
+        assert "newer than the tested range" in check.detail and "scripts/check_torch.sh" in check.fix
 
 
 def test_a_failed_check_needs_a_fix() -> None:
