@@ -130,8 +130,9 @@ class MXReportCallback(TrainerCallback):
     At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs in MXFP8 over all GEMM FLOPs
     of the model's compiled graphs) and `mx_graphs` (how many graphs were compiled) to the log
     entry in `trainer.state.log_history` (saved with checkpoints in trainer_state.json) and to
-    the logs the callbacks after this one see. The Trainer's own printer and reporters are
-    default callbacks and run before user callbacks, so they show the entry without these keys.
+    the logs the callbacks after this one see: the Trainer's progress bar or printer (added
+    after user callbacks) shows them; the reporters of `report_to` (TensorBoard, W&B, ...) run
+    before user callbacks and do not get them (transformers 5.25).
     At the end of training it logs one summary line (logger `mxcompile.integrations.hf`) and
     warns when no graph of the model was compiled by mxcompile: then the model was not compiled
     with the mxfp8 backend, and nothing ran in MXFP8."""
