@@ -62,8 +62,8 @@ def compile_model(
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile_model takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None:
-        raise ValueError("the model is already compiled: pass the uncompiled module to compile_model, "
-                         "or pass the compiled one to the Trainer directly")
+        raise ValueError("the model is already compiled: pass the uncompiled module to compile_model (a "
+                         "torch.compile wrapper hides the model's forward signature and labels from the Trainer)")
     if args is not None and args.torch_compile:
         raise ValueError(
             f"TrainingArguments(torch_compile=True, torch_compile_backend={args.torch_compile_backend!r}) "
