@@ -13,6 +13,7 @@ graph then goes to Inductor's inner compiler.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import operator
@@ -44,8 +45,8 @@ from .ops.quantize import (
     fake_quantize_with_casts,
     quantize_with_casts,
 )
-from .passes.graph_facts import value_device
-from .passes.meta_keys import GEMM_KERNEL_KEY, PLANNED_GRAPH_KEY
+from .graph_meta import value_device
+from .passes.meta_keys import GEMM_KERNEL_KEY, PLANNED_GRAPH_KEY, PLAN_PLACED_KEY
 from .triton_templates import has_mx_tensor_cores
 
 MX_OPS = frozenset(DECOMPOSITIONS)
@@ -60,6 +61,9 @@ _log = logging.getLogger("mxcompile")
 REALIZE_OPCOUNT_THRESHOLD = 50
 # Key of torch._dynamo.utils.compilation_time_metrics for the decomposition (see backend.py).
 DECOMPOSE_TIMER = "mxcompile.decompose_mx_ops"
+# node.meta key the lowering sets on every node of a planned graph it hands to Inductor: the
+# node's position in the planned order (see `PinRecomputation`).
+PLANNED_POSITION_KEY = "mxcompile_planned_position"
 
 
 def _matmul(a, b, out_dtype):
@@ -375,6 +379,128 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 
+def mark_planned_order(gm: fx.GraphModule, recomputed: dict[fx.Node, bool]) -> int:
+    """Give every call_function node of the planned graph ``gm`` its position in the graph's
+    order (``PLANNED_POSITION_KEY``) and whether the plan placed it (``PLAN_PLACED_KEY``: it
+    recomputes a tensor, or reloads an offloaded one).
+
+    ``recomputed`` holds the flags of the nodes before `decompose_mx_ops`: a node spliced in
+    since takes the flag of the nodes it replaced (those removed between its surviving
+    neighbours); where they disagree it counts as recomputation, which only keeps it after the
+    last node planned before it. Returns the number of nodes flagged as recomputation."""
+    survivors = [n for n in gm.graph.nodes if n.op == "call_function"]
+    alive = set(survivors)
+    before = list(recomputed)
+    index = {n: i for i, n in enumerate(before)}
+    last = -1  # index in `before` of the last surviving original node seen
+    pending: list[fx.Node] = []
+
+    def settle(upto: int) -> None:
+        removed = {recomputed[n] for n in before[last + 1:upto] if n not in alive}
+        for node in pending:
+            node.meta[PLAN_PLACED_KEY] = any(removed) if removed else False
+        pending.clear()
+
+    for position, node in enumerate(survivors):
+        node.meta[PLANNED_POSITION_KEY] = position
+        if node in index:
+            settle(index[node])
+            last = index[node]
+            node.meta[PLAN_PLACED_KEY] = recomputed[node]
+        else:
+            pending.append(node)
+    settle(len(before))
+    return sum(bool(node.meta[PLAN_PLACED_KEY]) for node in survivors)
+
+
+try:  # torch's interface for scheduler passes that the FX graph cache can key on
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass as _SchedulerPass
+except ImportError:  # pragma: no cover - older torch: the pass is never installed
+    _SchedulerPass = object  # type: ignore[assignment,misc]
+
+
+class PinRecomputation(_SchedulerPass):  # type: ignore[misc,valid-type]
+    """An Inductor scheduler pass (``_post_fusion_custom_pass``) for planned graphs: each
+    kernel that recomputes (or reloads) a tensor for the memory plan gets an ordering-only dependency
+    (a fake ``WeakDep``, which does not extend any buffer's life) on the latest kernel that the
+    plan placed before the recomputation. Inductor's peak-memory reordering then still orders
+    the rest of the graph, but can no longer hoist a recomputation earlier than planned (where
+    it would hold the recomputed tensor, and whatever its closure keeps, across the nodes in
+    between; Inductor's own estimate does not see the scratch of the opaque ops there).
+
+    Positions and flags come from the FX nodes each kernel was lowered from (its ``origins``,
+    marked by `mark_planned_order`). A dependency that would close a cycle through fusion is
+    not added."""
+
+    def __call__(self, nodes: list[Any]) -> list[Any]:
+        pin_after_planned_anchors(nodes)
+        return nodes
+
+    def uuid(self) -> Any:
+        import hashlib
+        import inspect
+
+        source = "".join(inspect.getsource(f) for f in (PinRecomputation, pin_after_planned_anchors, _add_ordering_dep,
+                                                        _origin_positions, mark_planned_order))
+        return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _origin_positions(snode: Any) -> tuple[list[int], list[int]]:
+    """(positions of the plain, of the recomputing) planned FX nodes a scheduler node came from."""
+    plain: list[int] = []
+    recompute: list[int] = []
+    for sub in snode.get_nodes():
+        for origin in getattr(getattr(sub, "node", None), "origins", ()) or ():
+            position = origin.meta.get(PLANNED_POSITION_KEY)
+            if position is not None:
+                (recompute if origin.meta.get(PLAN_PLACED_KEY) else plain).append(position)
+    return plain, recompute
+
+
+def _add_ordering_dep(snode: Any, dep: Any) -> None:
+    """Add the ordering-only ``dep`` to the scheduler node ``snode``. A fused node does not take
+    ``add_fake_dep`` (NotImplementedError in torch 2.13): its unmet dependencies are its own
+    set (the union of its parts'), which the peak-memory reordering reads, so the dependency
+    goes there and into its read set, as ``add_fake_dep`` does for the other kinds."""
+    try:
+        snode.add_fake_dep(dep)
+    except NotImplementedError:
+        snode.read_writes = snode.read_writes.with_read(dep)
+        snode.unmet_dependencies.add(dep)
+
+
+def pin_after_planned_anchors(nodes: list[Any]) -> int:
+    """Add the ordering dependencies of `PinRecomputation` to the scheduler ``nodes``; returns
+    how many were added."""
+    from torch._inductor.dependencies import WeakDep
+
+    anchors: list[tuple[int, Any]] = []  # (last planned position, node) of kernels that recompute nothing
+    pinned: list[tuple[int, Any]] = []  # (first recomputing position, node)
+    for snode in nodes:
+        plain, recompute = _origin_positions(snode)
+        if recompute:
+            pinned.append((min(recompute), snode))
+        elif plain and list(snode.get_buffer_names()):
+            anchors.append((max(plain), snode))
+    anchors.sort(key=lambda item: item[0])
+    positions = [p for p, _ in anchors]
+    added = 0
+    for first, snode in pinned:
+        at = bisect.bisect_left(positions, first) - 1
+        if at < 0:
+            continue
+        anchor = anchors[at][1]
+        own = {n.get_name() for n in snode.get_nodes()}
+        if own & set(getattr(anchor, "ancestors", ())):  # the anchor already depends on this kernel
+            continue
+        buffer = next(iter(anchor.get_buffer_names()))
+        _add_ordering_dep(snode, WeakDep(buffer, mutating_buf=next(iter(snode.get_buffer_names()), snode.get_name()),
+                                         is_fake=True))
+        added += 1
+    counters["mxcompile"]["pinned_recomputations"] += added
+    return added
+
+
 def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """CUDA graphs keep the ops of CUDA_KERNEL_OPS opaque (their CUDA kernels run the Triton
     kernels), CPU graphs those of CPU_KERNEL_OPS (their CPU kernels are compiled graphs); the
@@ -382,21 +508,29 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Call
     from torch._inductor.compile_fx import compile_fx_inner
 
     opaque = CUDA_KERNEL_OPS if _on_cuda(example_inputs) else CPU_KERNEL_OPS
-    # A graph whose memory was planned keeps its planned order: Inductor's own peak-memory
-    # reordering moves recomputation earlier than planned (measured on the tiny GPT at half the
-    # activation budget: step peak 4.76 MB with it off, 5.36 MB with it on, 4.81 MB planned).
-    # It also frees each buffer at its last use, as the plan's model does: Inductor's buffer
-    # reuse keeps a dead buffer allocated until a later buffer of the same size takes it over,
-    # and checks only against its own peak estimate, which does not see the scratch of the
+    # A graph whose memory was planned is reordered by Inductor for peak memory (as any graph:
+    # the orders it picks saved up to a quarter of the planned step's resident peak on a
+    # 12-layer MLP, issue 37), but every recomputation stays after the node the plan placed
+    # before it (`PinRecomputation`): unpinned, Inductor moved recomputation earlier than
+    # planned (tiny GPT at half the activation budget: step peak 4.76 MB with reordering off,
+    # 5.36 MB with it on, 4.81 MB planned).
+    # Planned graphs free each buffer at its last use, as the plan's model does: Inductor's
+    # buffer reuse keeps a dead buffer allocated until a later buffer of the same size takes it
+    # over, and checks only against its own peak estimate, which does not see the scratch of the
     # opaque ops in between (on the small GPT at half the activation budget, a 2 MiB MLP
     # gradient of one layer was held across the next attention backward: the step measured
     # 32743432 B against a budget of 32424448 B).
     planned = bool(gm.meta.get(PLANNED_GRAPH_KEY))
+    flags = {n: bool(n.meta.get(PLAN_PLACED_KEY)) for n in gm.graph.nodes if n.op == "call_function"}
     with dynamo_timed(DECOMPOSE_TIMER):
         gm = decompose_mx_ops(gm, example_inputs, opaque=opaque)
     use_inductor_random(gm, example_inputs)
-    with inductor_config.patch(realize_opcount_threshold=REALIZE_OPCOUNT_THRESHOLD,
-                               reorder_for_peak_memory=not planned, allow_buffer_reuse=not planned):
+    patches: dict[str, Any] = {"realize_opcount_threshold": REALIZE_OPCOUNT_THRESHOLD}
+    if planned:
+        patches["allow_buffer_reuse"] = False
+        if mark_planned_order(gm, flags) and _SchedulerPass is not object:
+            patches["_post_fusion_custom_pass"] = PinRecomputation()
+    with inductor_config.patch(**patches):
         return compile_fx_inner(gm, example_inputs)
 
 

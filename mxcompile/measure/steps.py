@@ -16,9 +16,12 @@ gradients set to None first (so they count in the step's peak):
   in one child and returns both (:func:`mxcompile.measure.timing.time_step` times a step in
   the current process).
 
-Models (:data:`MODELS`): ``"gpt-tiny"`` and ``"gpt-small"`` (:func:`mxcompile.examples.gpt.gpt_factory`)
-and ``"llama-small"`` (a small randomly initialised HF ``LlamaForCausalLM``; needs
-``transformers``, a development dependency, not a runtime one).
+Models (:data:`MODELS`): ``"gpt-tiny"`` and ``"gpt-small"`` (:func:`mxcompile.examples.gpt.gpt_factory`),
+``"llama-small"`` (a small randomly initialised HF ``LlamaForCausalLM``; needs
+``transformers``, a development dependency, not a runtime one) and ``"mlp-12"`` (issue 37's
+new user's model: a plain ``nn.Sequential`` of 12 ``Linear(1024, 1024)`` + GELU, input
+``batch_size`` x 512 rows of 1024 fp32 (4096 x 1024 at the default batch, :func:`mlp12`), loss
+``out.square().mean()``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ..examples._common import check_choice, check_positive_int
 from .fresh_process import DEFAULT_TIMEOUT_S, factory_parts, measure_step_peak, resolve_factory
 from .memory import Step
 
-MODELS = ("gpt-tiny", "gpt-small", "llama-small")
+MODELS = ("gpt-tiny", "gpt-small", "llama-small", "mlp-12")
 LOWERINGS = ("inductor", "eager")
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEED = 0
@@ -76,6 +79,40 @@ def llama_small(*, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = DEFAULT_SEE
     return model, ids
 
 
+# mlp-12: issue 37's model. Rows of its input per unit of batch_size, so that the default batch
+# (DEFAULT_BATCH_SIZE = 8) gives the issue's 4096 x 1024 input.
+MLP12_LAYERS = 12
+MLP12_WIDTH = 1024
+MLP12_ROWS_PER_BATCH = 512
+
+
+def mlp12(*, batch_size: int = DEFAULT_BATCH_SIZE, seed: int = DEFAULT_SEED) -> tuple[Any, Any]:
+    """``(module, x)``: a seeded ``nn.Sequential`` of ``MLP12_LAYERS`` ``Linear(1024, 1024)`` + GELU
+    wrapped so that ``forward(x)`` returns ``out.square().mean()``, and an fp32 input of
+    ``batch_size * MLP12_ROWS_PER_BATCH`` rows (4096 at the default batch)."""
+    import torch
+
+    from ..examples._common import seeded
+
+    class SquareMeanLoss(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: Any) -> Any:
+            return self.inner(x).square().mean()
+
+    def build() -> Any:
+        layers: list[Any] = []
+        for _ in range(MLP12_LAYERS):
+            layers += [torch.nn.Linear(MLP12_WIDTH, MLP12_WIDTH), torch.nn.GELU()]
+        return SquareMeanLoss(torch.nn.Sequential(*layers))
+
+    module = seeded(seed, build)
+    x = torch.randn(batch_size * MLP12_ROWS_PER_BATCH, MLP12_WIDTH, generator=torch.Generator().manual_seed(seed))
+    return module, x
+
+
 def _loss_module(model: Any) -> Any:
     """``model`` (an HF causal LM) wrapped so that ``forward(ids)`` returns its training loss
     (labels = ids): one module whose compiled graph is the whole loss, for the step and explain."""
@@ -105,6 +142,9 @@ def build_model(model: str, batch_size: int = DEFAULT_BATCH_SIZE) -> tuple[Any, 
 
         inner, (ids,) = gpt_factory(model.removeprefix("gpt-"), batch_size=batch_size, seed=DEFAULT_SEED)
         return LanguageModelLoss(inner), (ids,)
+    if model == "mlp-12":
+        module, x = mlp12(batch_size=batch_size)
+        return module, (x,)
     inner, ids = llama_small(batch_size=batch_size)
     return _loss_module(inner), (ids,)
 
@@ -250,6 +290,7 @@ __all__ = [
     "build_model",
     "llama_small",
     "measure_step",
+    "mlp12",
     "mxfp8_budget_step",
     "timed_step",
     "torch_budget_step",

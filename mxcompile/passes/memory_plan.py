@@ -50,7 +50,7 @@ from ..cost.profiles import PROFILES, DeviceProfile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
 from ..report import Report
-from .meta_keys import PLANNED_GRAPH_KEY
+from .meta_keys import PLANNED_GRAPH_KEY, PLAN_PLACED_KEY
 
 PLAN_SOLVER = "auto"  # the ILP for small graphs, the heuristic for large (see mxcompile.planner)
 PLAN_TIME_LIMIT_S = 5.0  # per ILP solve; the plan is part of compile time
@@ -118,6 +118,7 @@ class _RecomputeWriter:
             args = {arg: self.resolve(arg, step) for arg in node.all_input_nodes if arg not in env}
             with self.bw.graph.inserting_before(point):
                 env[node] = self.bw.graph.node_copy(node, lambda arg: env[arg] if arg in env else args[arg])
+            env[node].meta[PLAN_PLACED_KEY] = True  # node_copy gave the copy a meta dict of its own
         return env[target]
 
     def resolve(self, arg: fx.Node, step: int) -> fx.Node:
@@ -206,6 +207,7 @@ def insert_offload(fw: fx.GraphModule, bw: fx.GraphModule, names: Sequence[str],
         if users:
             with bw.graph.inserting_before(users[0]):
                 back = bw.graph.call_function(offload_ops.RELOAD, (ph, value.device))
+            back.meta[PLAN_PLACED_KEY] = True  # kept after the node before it, as recomputations are
             back.meta["val"] = _fake_call(offload_ops.RELOAD, moved.meta["val"], value.device)
             ph.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
         ph.meta["val"] = moved.meta["val"]
@@ -336,9 +338,15 @@ def plan_and_partition(
         )
     offloaded = [d.name for d in plan.decisions if d.decision == OFFLOAD]
     entry["offload_applied"] = insert_offload(fw, bw, offloaded, num_fwd_outputs) if offloaded else []
+    entry["graphs_changed"] = bool(offloaded) or any(d.decision == RECOMPUTE for d in plan.decisions)
+    _record(report, entry)
+    if not entry["graphs_changed"]:
+        # A plan that keeps every saved tensor (a budget at or above the keep-everything peak,
+        # e.g. 1.0) is no plan: the graphs are the unplanned partition's and compile as such
+        # (Inductor's own reordering and buffer reuse on), so the step is the no-budget step.
+        return fw0, bw0
     for gm in (fw, bw):
         gm.meta[PLANNED_GRAPH_KEY] = True
-    _record(report, entry)
     return fw, bw
 
 

@@ -3,6 +3,10 @@ the backend and the lowering import them from here."""
 
 GRAPH_INFO_KEY = "mxcompile_graph_info"  # gm.meta: the backend's GraphInfo (passes.graph_facts)
 PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
+# node.meta flag on the backward nodes passes.memory_plan placed (the copies that recompute a
+# tensor, the reloads of offloaded ones): the Inductor lowering keeps each after the backward
+# node the plan put before it.
+PLAN_PLACED_KEY = "mxcompile_plan_placed"
 # node.meta key on GEMMs attention_rewrite decided on (value: their role); gemm_rewrite skips them.
 CLAIMED_KEY = "mxcompile_attention"
 # node.meta key on aten._grouped_mm nodes gemm_rewrite made from transformers' fallback grouped-GEMM
