@@ -1,0 +1,278 @@
+"""Issue 37's table: what a memory budget does to the peak resident set a user sees, mxfp8's
+``memory_budget`` against torch's ``activation_memory_budget``, one fresh process per row.
+
+    python benchmarks/memory_budget_rss.py                         # mlp-12 under Inductor (the issue's table)
+    python benchmarks/memory_budget_rss.py --models mlp-12 gpt-small llama-small --lower eager
+    python benchmarks/memory_budget_rss.py --out benchmarks/results/memory_budget_rss.json
+
+Models (``mxcompile.measure.steps.MODELS``): ``mlp-12`` is the issue's new user's model (12 x
+``Linear(1024, 1024)`` + GELU, input 4096 x 1024 fp32, loss ``out.square().mean()``);
+``gpt-small`` and ``llama-small`` are the built-in GPT and a small HF Llama.
+
+Rows, each measured in a fresh Python process (:func:`mxcompile.measure.steps.measure_step`:
+``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors leave the resident set; ``--warmup`` untimed
+steps, the first compiles; then ``--steps`` timed steps and the measured one):
+
+* torch: ``torch.compile(model)`` (Inductor; ``--lower eager``: ``aot_eager_decomp_partition``)
+  with no budget and with ``activation_memory_budget`` = each fraction;
+* mxfp8: ``torch.compile(model, backend="mxfp8", options={"memory_budget": f})``, no budget
+  and each fraction (``--lower eager``: the same pipeline with eager lowering);
+* matched: for each torch fraction, mxfp8 with a byte budget equal to what torch's step used
+  (its tensor-storage peak + the parameter and input bytes, the planner's own units), so the
+  two compare at equal bytes.
+
+Columns: ``RSS MiB``, the step's peak resident-set growth (VmHWM after the step - VmRSS before
+it): what a CPU user sees; ``tensor MiB``, the peak of live tensor storage the step allocated
+(torch.profiler, one more step): what the planner models. Both exclude the parameters and
+inputs (resident before the step). ``budget MiB``: the plan's budget (``report.memory_plan``
+of ``mxcompile.explain`` on the same model and inputs: the plan is made before lowering, so it
+is the same under both lowerings), parameters and inputs included; ``+held``: the measured
+peak plus those bytes, held against it. ``ms``: median step time (the measured children run
+with the mmap threshold, slower than an ordinary process: compare rows, not absolute times);
+``+ms``: minus the no-budget step time of the same backend; ``est ms``: the plan's estimated
+recompute time; ``+/est``: their ratio (the target: within 2x).
+
+The results go to ``--out`` as JSON (every number of the tables, with the command line, the
+torch version, the thread count and the load average before the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+MODELS = ("mlp-12",)
+FRACTIONS = (1.0, 0.5, 0.3)
+TORCH_FRACTIONS = (0.5, 0.3)
+MX_FACTORY = "mxcompile.measure.steps:mxfp8_budget_step"
+TORCH_FACTORY = "mxcompile.measure.steps:torch_budget_step"
+# Targets of issue 37, checked in the printed flags:
+NO_OP_TOLERANCE = 0.03  # budget 1.0 within 3% of the no-budget peak
+TIME_RATIO_LIMIT = 2.0  # measured step-time cost within 2x of the plan's estimate
+
+
+@dataclass
+class Row:
+    backend: str  # "torch", "mxfp8" or "matched"
+    budget: str  # "none", the fraction, or for matched rows torch's fraction
+    rss_bytes: int | None = None
+    tensor_bytes: int | None = None
+    step_s: float | None = None
+    first_s: float | None = None
+    budget_bytes: int | None = None  # the plan's budget (parameters and inputs included)
+    predicted_bytes: int | None = None  # the plan's modelled peak of the rewritten graphs
+    recompute_s: float | None = None  # the plan's estimated recompute time
+    held_bytes: int | None = None  # parameters + inputs
+    error: str = ""
+
+
+def _short(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    tail = [line for line in lines if "Error" in line] or lines or [type(err).__name__]
+    return tail[-1][:300]
+
+
+def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, steps: int) -> Row:
+    from mxcompile.measure.steps import measure_step
+
+    try:
+        peak, timing = measure_step(factory, kwargs, warmup_steps=warmup, time_steps=steps)
+    except (RuntimeError, OSError, ValueError) as err:
+        row.error = _short(err)
+        return row
+    row.rss_bytes, row.tensor_bytes = peak.step_peak_bytes, peak.tensor_peak_bytes
+    row.step_s, row.first_s = timing["median_s"], timing["first_s"]
+    return row
+
+
+def plan(row: Row, model: str, budget: Any, batch_size: int) -> Row:
+    """Fill the plan's figures of ``row`` from ``mxcompile.explain`` (summed over graphs)."""
+    import warnings
+
+    import torch
+
+    import mxcompile
+    from mxcompile.config import MemoryBudget, MXConfig
+    from mxcompile.measure.steps import build_model
+
+    try:
+        module, args = build_model(model, batch_size)
+        parsed = MemoryBudget.parse(budget) if isinstance(budget, str) else MemoryBudget.of_fraction(budget)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = mxcompile.explain(module, *args, config=MXConfig(memory_budget=parsed))
+        torch._dynamo.reset()
+    except Exception as err:  # noqa: BLE001  (a failing cell is reported, not fatal)
+        row.error = row.error or _short(err)
+        return row
+    memory_plan = report.memory_plan or {}
+    graphs = memory_plan.get("graphs") or ([memory_plan] if memory_plan else [])
+    if graphs:
+        row.budget_bytes = sum(g["budget_bytes"] for g in graphs)
+        row.predicted_bytes = sum(g["realized_peak_bytes"] for g in graphs)
+        row.recompute_s = sum(g["recompute_time_s"] for g in graphs)
+        row.held_bytes = max(g["input_bytes"] for g in graphs)
+    return row
+
+
+def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fractions: tuple[float, ...],
+              batch_size: int, warmup: int, steps: int, log: Any) -> list[Row]:
+    common = {"model": model, "batch_size": batch_size, "lower": lower}
+    rows: list[Row] = []
+
+    def run(row: Row, factory: str, kwargs: dict[str, Any]) -> Row:
+        started = time.perf_counter()
+        measure(row, factory, kwargs, warmup=warmup, steps=steps)
+        log(f"  {model} {lower} {row.backend} {row.budget}: {time.perf_counter() - started:.0f} s"
+            + (f" ({row.error})" if row.error else ""))
+        rows.append(row)
+        return row
+
+    for fraction in (None, *torch_fractions):
+        run(Row("torch", "none" if fraction is None else f"{fraction:g}"), TORCH_FACTORY,
+            {**common, "activation_memory_budget": fraction})
+    for fraction in (None, *fractions):
+        row = Row("mxfp8", "none" if fraction is None else f"{fraction:g}")
+        if fraction is not None:
+            plan(row, model, fraction, batch_size)
+        run(row, MX_FACTORY, {**common, "memory_budget": fraction})
+    held = next((r.held_bytes for r in rows if r.held_bytes is not None), None)
+    for fraction in torch_fractions:
+        source = next(r for r in rows if r.backend == "torch" and r.budget == f"{fraction:g}")
+        row = Row("matched", f"{fraction:g}")
+        if source.tensor_bytes is None or held is None:
+            row.error = "torch's row or the plan failed"
+            rows.append(row)
+            continue
+        budget = f"{source.tensor_bytes + held}B"
+        plan(row, model, budget, batch_size)
+        run(row, MX_FACTORY, {**common, "memory_budget": budget})
+    return rows
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _ms(value: float | None, sign: bool = False) -> str:
+    return "-" if value is None else (f"{value * 1e3:+.0f}" if sign else f"{value * 1e3:.0f}")
+
+
+def _flag(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+COLUMNS = (("backend", 7), ("budget", 6), ("RSS MiB", 7), ("tensor MiB", 10), ("budget MiB", 10),
+           ("pred MiB", 8), ("RSS+held", 8), ("in bud", 6), ("ms", 6), ("+ms", 6), ("est ms", 6), ("+/est", 5))
+
+
+def verdicts(rows: list[Row]) -> dict[str, Any]:
+    """The issue's targets on one model's rows (None where a needed cell failed)."""
+    by = {(r.backend, r.budget): r for r in rows}
+    mx_none, mx_one = by.get(("mxfp8", "none")), by.get(("mxfp8", "1"))
+    out: dict[str, Any] = {}
+    if mx_none and mx_one and mx_none.rss_bytes and mx_one.rss_bytes is not None:
+        out["budget_1_vs_none_rss"] = mx_one.rss_bytes / mx_none.rss_bytes
+        out["budget_1_no_op"] = abs(mx_one.rss_bytes / mx_none.rss_bytes - 1) <= NO_OP_TOLERANCE
+    fractions = sorted((r for r in rows if r.backend == "mxfp8" and r.budget != "none"),
+                       key=lambda r: -float(r.budget))
+    rss = [r.rss_bytes for r in fractions]
+    if all(v is not None for v in rss) and len(rss) > 1:
+        out["rss_monotone"] = all(b <= a for a, b in zip(rss, rss[1:]))
+    in_budget = [r.rss_bytes + r.held_bytes <= r.budget_bytes for r in fractions
+                 if None not in (r.rss_bytes, r.held_bytes, r.budget_bytes)]
+    out["rss_in_budget"] = all(in_budget) if in_budget else None
+    tensor_in_budget = [r.tensor_bytes + r.held_bytes <= r.budget_bytes for r in fractions
+                        if None not in (r.tensor_bytes, r.held_bytes, r.budget_bytes)]
+    out["tensor_in_budget"] = all(tensor_in_budget) if tensor_in_budget else None
+    matched = []
+    for r in rows:
+        if r.backend != "matched":
+            continue
+        torch_row = by.get(("torch", r.budget))
+        if torch_row and None not in (r.rss_bytes, torch_row.rss_bytes):
+            matched.append(r.rss_bytes <= torch_row.rss_bytes)
+    out["matched_rss_at_or_under_torch"] = all(matched) if matched else None
+    ratios = []
+    for r in fractions:
+        if None in (r.step_s, r.recompute_s) or mx_none is None or mx_none.step_s is None or not r.recompute_s:
+            continue
+        ratios.append((r.step_s - mx_none.step_s) / r.recompute_s)
+    out["time_over_estimate"] = ratios
+    return out
+
+
+def table(rows: list[Row]) -> list[str]:
+    lines = [" ".join(f"{name:>{width}}" for name, width in COLUMNS)]
+    base = {b: next((r.step_s for r in rows if r.backend == b and r.budget == "none"), None)
+            for b in ("torch", "mxfp8")}
+    base["matched"] = base["mxfp8"]
+    for r in rows:
+        with_held = None if r.rss_bytes is None or r.held_bytes is None else r.rss_bytes + r.held_bytes
+        in_budget = None if with_held is None or r.budget_bytes is None else with_held <= r.budget_bytes
+        over = None if r.step_s is None or base[r.backend] is None or r.budget == "none" else r.step_s - base[r.backend]
+        ratio = "-" if over is None or not r.recompute_s else f"{over / r.recompute_s:.2f}"
+        cells = (r.backend, r.budget, _mib(r.rss_bytes), _mib(r.tensor_bytes), _mib(r.budget_bytes),
+                 _mib(r.predicted_bytes), _mib(with_held), _flag(in_budget), _ms(r.step_s),
+                 _ms(over, sign=True), _ms(r.recompute_s), ratio)
+        lines.append(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, COLUMNS)))
+    lines.extend(f"error: {r.backend} {r.budget}: {r.error}" for r in rows if r.error)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--lower", nargs="+", choices=("inductor", "eager"), default=["inductor"])
+    parser.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
+    parser.add_argument("--torch-fractions", nargs="+", type=float, default=list(TORCH_FRACTIONS))
+    parser.add_argument("--batch", type=int, default=8, help="mlp-12: 512 input rows per unit (8: 4096 rows)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps (the first compiles)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps before the measured one (median of all)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    fractions = tuple(sorted(set(args.fractions), reverse=True))
+    torch_fractions = tuple(sorted(set(args.torch_fractions), reverse=True))
+
+    import torch
+
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    print(f"memory budgets on CPU, fresh process per row, batch {args.batch}, {args.steps + 1} timed steps "
+          f"(median) after {args.warmup} warm-up, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"load {load:.1f} before")
+    results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "torch": torch.__version__,
+                               "threads": torch.get_num_threads(), "load_before": load, "batch": args.batch,
+                               "timed_steps": args.steps + 1, "runs": {}}
+    for lower in args.lower:
+        for model in args.models:
+            rows = run_model(model, lower=lower, fractions=fractions, torch_fractions=torch_fractions,
+                             batch_size=args.batch, warmup=args.warmup, steps=args.steps,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+            verdict = verdicts(rows)
+            print(f"\n== {model}, {lower} ==")
+            print("\n".join(table(rows)))
+            print("targets: " + ", ".join(f"{k} {v}" for k, v in verdict.items()), flush=True)
+            results["runs"][f"{model}/{lower}"] = {"rows": [asdict(r) for r in rows], "targets": verdict}
+            if args.out is not None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=1) + "\n")
+    results["total_s"] = time.perf_counter() - started
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\ntotal {results['total_s']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    outcome = main()
+    sys.exit(1 if any(r["error"] for run in outcome["runs"].values() for r in run["rows"]) else 0)

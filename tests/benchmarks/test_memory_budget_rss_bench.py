@@ -1,0 +1,58 @@
+"""benchmarks/memory_budget_rss.py (issue 37's table): its targets are computed from the rows as
+stated, on made-up rows (the measurement itself runs a fresh process per row: minutes, not a
+unit test)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_budget_rss.py"
+MIB = 2**20
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("memory_budget_rss_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def _rows(bench, rss_at_one: int, rss_at_half: int):
+    Row = bench.Row
+    held = 64 * MIB
+    return [
+        Row("torch", "none", rss_bytes=324 * MIB, tensor_bytes=372 * MIB, step_s=4.0),
+        Row("torch", "0.5", rss_bytes=180 * MIB, tensor_bytes=228 * MIB, step_s=7.0),
+        Row("mxfp8", "none", rss_bytes=240 * MIB, tensor_bytes=289 * MIB, step_s=4.0),
+        Row("mxfp8", "1", rss_bytes=rss_at_one, tensor_bytes=289 * MIB, step_s=4.0, budget_bytes=480 * MIB,
+            recompute_s=0.0, held_bytes=held),
+        Row("mxfp8", "0.5", rss_bytes=rss_at_half, tensor_bytes=209 * MIB, step_s=4.3, budget_bytes=408 * MIB,
+            recompute_s=0.2, held_bytes=held),
+        Row("matched", "0.5", rss_bytes=150 * MIB, step_s=5.0, held_bytes=held),
+    ]
+
+
+def test_targets_met() -> None:
+    bench = _module()
+    verdict = bench.verdicts(_rows(bench, 240 * MIB, 160 * MIB))
+    assert verdict["budget_1_no_op"] is True
+    assert verdict["rss_monotone"] is True
+    assert verdict["rss_in_budget"] is True and verdict["tensor_in_budget"] is True
+    assert verdict["matched_rss_at_or_under_torch"] is True
+    assert [round(r, 2) for r in verdict["time_over_estimate"]] == [1.5]  # (4.3 - 4.0) / 0.2
+    lines = bench.table(_rows(bench, 240 * MIB, 160 * MIB))
+    assert lines[0].split()[:2] == ["backend", "budget"] and len(lines) == 7
+
+
+def test_targets_missed() -> None:
+    """The issue's old figures: 1.0 at 340 MiB against 241 MiB without a budget."""
+    bench = _module()
+    verdict = bench.verdicts(_rows(bench, 340 * MIB, 350 * MIB))
+    assert verdict["budget_1_no_op"] is False
+    assert verdict["rss_monotone"] is False
