@@ -41,9 +41,9 @@ from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
 from .ops.native import build as native_build
 from .passes import PassError, run_partition_stage, run_pipeline
-from .passes.graph_facts import GraphInfo, concrete_int
+from .passes.graph_facts import GraphInfo, concrete_int, graph_module_names
 from .passes.meta_keys import GRAPH_INFO_KEY
-from .report import GraphSnapshot, Report, ReportHistory
+from .report import GraphSnapshot, RecordedGraph, Report, ReportHistory
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
 
@@ -64,6 +64,10 @@ PARTITION_TIMER = "mxcompile.partition"
 
 class MXKeptWarning(UserWarning):
     """A compiled graph left a large share of its GEMM FLOPs in high precision."""
+
+
+class MXPatternWarning(UserWarning):
+    """An include/exclude pattern matches no module of a compiled graph."""
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -133,6 +137,9 @@ def compile_graph(
     if cacheable and (describe or lower is not inductor_compiler):
         raise ValueError("cacheable=True needs lower=inductor_compiler and describe=False")
     report = report if report is not None else Report(config.to_dict())
+    module_names = graph_module_names(gm)
+    for message in config.unmatched_module_patterns(module_names) if module_names else ():
+        warnings.warn(message, MXPatternWarning, stacklevel=2)
     # DTensor inputs (tensor parallelism) whose shards cut MX blocks; seen before AOTAutograd
     # flattens them into local tensors.
     sharded = misaligned_input_dims(example_inputs, config.block_size)
@@ -226,7 +233,7 @@ def compile_and_record(
         for fallback in report.fallbacks:
             warnings.warn(f"{fallback}; running this graph without the MXFP8 rewrite (loaded from the "
                           "compile cache; set options={'fallback': False} to raise instead)", stacklevel=2)
-    index = _HISTORY.record(report, example_inputs)
+    index, recorded = _HISTORY.record(report, example_inputs)
     logger.info("mxcompile: compiled graph %d: %s", index, report.summary())
     total = report.gemm_flops_total
     kept = total - report.gemm_flops_converted
@@ -236,7 +243,21 @@ def compile_and_record(
             f"({report.summary()}); top reasons: {'; '.join(report.top_kept_reasons(KEPT_REASONS_SHOWN))}. "
             "See mxcompile.reports() or mxcompile.report_of(model) for every decision.",
             MXKeptWarning, stacklevel=2)
-    return compiled
+    return _noting_calls(compiled, recorded)
+
+
+def _noting_calls(compiled: Callable, recorded: RecordedGraph) -> Callable:
+    """`compiled`, noting each call's parameters in the report history
+    (`RecordedGraph.note_call`): one graph can serve every block of a model. AOTAutograd's
+    function takes the graph inputs either as arguments or, behind dynamo's input-flattening
+    wrapper, as one list (which it clears); graph inputs are never lists themselves."""
+
+    def run(*args: Any) -> Any:
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        recorded.note_call(args[0] if boxed else args)
+        return compiled(*args)
+
+    return functools.wraps(compiled)(run)
 
 
 def reports() -> list[Report]:

@@ -5,14 +5,19 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .numerics import DEFAULT_BLOCK_SIZE, ElemFormatName, ScaleMode, check_block_size
 from .numerics.formats import NamedEnum
 from .planner.budget import MemoryBudget
+
+
+# How many of the closest module names a pattern that matches none is shown with.
+CLOSEST_NAMES_SHOWN = 3
 
 
 class AttentionMode(NamedEnum):
@@ -140,6 +145,20 @@ class MXConfig:
         if self.memory_budget is not None:
             values["memory_budget"] = self.memory_budget.to_json()
         return {name: value.value if isinstance(value, enum.Enum) else value for name, value in values.items()}
+
+    def unmatched_module_patterns(self, module_names: Iterable[str]) -> list[str]:
+        """A message for each include/exclude pattern that matches none of `module_names`,
+        naming the closest names (such a pattern selects nothing, which is never intended)."""
+        names = sorted(set(module_names))
+        messages = []
+        for field_name in ("include", "exclude"):
+            for pattern in getattr(self, field_name):
+                if any(re.search(pattern, name) for name in names):
+                    continue
+                close = difflib.get_close_matches(pattern, names, n=CLOSEST_NAMES_SHOWN, cutoff=0.0)
+                messages.append(f"mxcompile {field_name} pattern {pattern!r} matches no module of this graph "
+                                f"(module names are named_modules() names); closest: {close}")
+        return messages
 
     def module_selected(self, module_name: str) -> tuple[bool, str]:
         """Whether include/exclude rules admit a module, and why not when they don't."""

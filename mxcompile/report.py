@@ -129,7 +129,9 @@ class Report:
     def summary(self) -> str:
         """One line: GEMMs and GEMM FLOPs converted, and how many GEMMs were kept."""
         t = self.totals()
-        graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions)) or "no GEMMs"
+        if not t["gemms"]:
+            return "no GEMMs in this graph: nothing to run in MXFP8"
+        graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions))
         return (f"{graphs}: {t['converted']} of {t['gemms']} GEMMs in MXFP8, "
                 f"{t['converted_flop_fraction']:.1%} of {t['gemm_flops']:.3g} GEMM FLOPs; {t['kept']} kept")
 
@@ -153,39 +155,71 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
 
+class RecordedGraph:
+    """One compiled graph in a ReportHistory: its report and weak references to the parameters
+    and buffers it ran with. One graph can serve many modules (a block compiled with
+    `block.compile()` is one graph for every block of its shape, each call passing that block's
+    parameters): `note_call` adds each new module's parameters, so that `report_of` finds the
+    report from every module that ran the graph."""
+
+    def __init__(self, report: "Report", tensors: Iterable[Any]) -> None:
+        self.report = report
+        # id -> weak reference, checked by identity (tensors' == is elementwise, so no WeakSet)
+        self._tensors: dict[int, weakref.ref] = {}
+        self._add(t for t in tensors if isinstance(t, torch.Tensor))
+
+    def _add(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._tensors[id(t)] = weakref.ref(t)
+
+    def _holds(self, t: torch.Tensor) -> bool:
+        ref = self._tensors.get(id(t))
+        return ref is not None and ref() is t
+
+    def note_call(self, args: Iterable[Any]) -> None:
+        """Note the parameters of one call of the graph. A call whose first parameter is known
+        returns after that one look-up (the graph runs every step)."""
+        params = (a for a in args if isinstance(a, torch.nn.Parameter))
+        first = next(params, None)
+        if first is None or self._holds(first):
+            return
+        self._add((first, *params))
+
+    def ran_with_any(self, tensors: Iterable[torch.Tensor]) -> bool:
+        return any(self._holds(t) for t in tensors)
+
+
 class ReportHistory:
     """The reports of the last `capacity` graphs the backend compiled, oldest first.
 
     Bounded on purpose: a long run that keeps recompiling (new shapes, new models) holds at most
     `capacity` reports; older ones are dropped. Each report remembers the parameters and buffers
-    its graph was compiled with by weak reference only, so no model is kept alive by this, and
+    its graph ran with by weak reference only, so no model is kept alive by this, and
     `of_module` finds a model's reports by the identity of those tensors.
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
-        self._entries: collections.deque[tuple[Report, tuple[weakref.ref, ...]]] = collections.deque(maxlen=capacity)
+        self._entries: collections.deque[RecordedGraph] = collections.deque(maxlen=capacity)
         self._recorded = 0
 
-    def record(self, report: Report, tensors: Iterable[Any]) -> int:
+    def record(self, report: Report, tensors: Iterable[Any]) -> tuple[int, RecordedGraph]:
         """Keep `report` with weak references to the tensors its graph took; returns its index
-        among all reports recorded (0, 1, ...; dropped ones count too)."""
-        refs = tuple(weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor))
-        self._entries.append((report, refs))
+        among all reports recorded (0, 1, ...; dropped ones count too) and its entry."""
+        entry = RecordedGraph(report, tensors)
+        self._entries.append(entry)
         self._recorded += 1
-        return self._recorded - 1
+        return self._recorded - 1, entry
 
     def all(self) -> list[Report]:
-        return [report for report, _ in self._entries]
+        return [entry.report for entry in self._entries]
 
     def of_module(self, module: torch.nn.Module) -> list[Report]:
-        owned = {id(t) for t in (*module.parameters(), *module.buffers())}
-        return [report for report, refs in self._entries
-                if any((t := ref()) is not None and id(t) in owned for ref in refs)]
+        owned = [*module.parameters(), *module.buffers()]
+        return [entry.report for entry in self._entries if entry.ran_with_any(owned)]
 
     def clear(self) -> None:
         """Forget every report; the numbering of the next ones starts again at 0."""
         self._entries.clear()
         self._recorded = 0
-

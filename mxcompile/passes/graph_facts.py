@@ -23,6 +23,9 @@ from .meta_keys import GRAPH_INFO_KEY
 # reached through a wrapper's positional arguments, L['args'][0].
 _DYNAMO_ROOT = re.compile(r"^L\['(?:args'\]\[\d+|[^']*')\]\.?")
 _INDEX = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+# How dynamo reaches a child module that it does not reach by attribute (PEFT's wrappers, whose
+# __getattr__ forwards to the wrapped model): L['self'].__dict__['_modules']['base_model'].
+_MODULES_DICT = re.compile(r"\.(?:__dict__\['_modules'\]|_modules)(?=\[)")
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ def shape_hint(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def clean_module_path(dynamo_path: str) -> str:
-    """"L['self'].layers[0].attn" -> "layers.0.attn" (the name users see in named_modules)."""
-    path = _DYNAMO_ROOT.sub("", dynamo_path)
+    """"L['self'].layers[0].attn" -> "layers.0.attn" (the name users see in named_modules);
+    "L['self'].__dict__['_modules']['base_model'].model" -> "base_model.model"."""
+    path = _DYNAMO_ROOT.sub("", _MODULES_DICT.sub("", dynamo_path))
     path = _INDEX.sub(lambda m: "." + (m.group(1) or m.group(2)), path)
     return path.lstrip(".")
 
@@ -84,6 +88,16 @@ def module_name(node: fx.Node) -> str:
         return ""
     path, _cls = list(stack.values())[-1]
     return clean_module_path(path)
+
+
+def graph_module_names(gm: fx.GraphModule) -> set[str]:
+    """Every module name (named_modules form) that a node of gm was traced in, ancestors included."""
+    names: set[str] = set()
+    for node in gm.graph.nodes:
+        for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+            names.add(clean_module_path(path))
+    names.discard("")
+    return names
 
 
 def is_backward(node: fx.Node) -> bool:

@@ -99,7 +99,7 @@ def test_history_is_bounded_and_holds_no_tensor_alive():
     history = ReportHistory(capacity=2)
     reports = [Report({}) for _ in range(3)]
     weight = torch.zeros(4)
-    indices = [history.record(r, [weight]) for r in reports]
+    indices = [history.record(r, [weight])[0] for r in reports]
     assert indices == [0, 1, 2]
     assert history.all() == reports[1:]
     module = nn.Linear(4, 4)
@@ -116,3 +116,26 @@ def test_history_is_bounded_and_holds_no_tensor_alive():
 def test_report_of_rejects_what_is_not_a_module():
     with pytest.raises(ValueError, match="nn.Module"):
         mxcompile.report_of(lambda x: x)
+
+
+def test_report_of_finds_the_shared_graph_from_every_block_of_a_per_block_compile():
+    """torchtitan's `block.compile(...)`: one graph serves every block of the same shape."""
+    torch._dynamo.reset()
+    mxcompile.clear_reports()
+    blocks = nn.Sequential(TwoLinear(), TwoLinear())
+    backend = _recording_backend()
+    for block in blocks:
+        block.compile(backend=backend)
+    _step(blocks, torch.randn(64, 64, requires_grad=True))  # every block's input needs a gradient
+    first, second = mxcompile.report_of(blocks[0]), mxcompile.report_of(blocks[1])
+    assert len(mxcompile.reports()) == 1, "the blocks were meant to share one graph"
+    assert first and second == first
+
+
+def test_a_graph_without_gemms_says_so():
+    torch._dynamo.reset()
+    mxcompile.clear_reports()
+    compiled = torch.compile(lambda x: (x * 2).sin(), backend=_recording_backend())
+    compiled(torch.randn(8, requires_grad=True)).sum().backward()
+    (report,) = mxcompile.reports()
+    assert report.summary() == "no GEMMs in this graph: nothing to run in MXFP8"
