@@ -2,8 +2,8 @@
 # Checks mxcompile against one torch release: builds a virtual environment with that torch and
 # the project (`pip install -e '.[dev,timm]'`, torch installed first and pinned by a constraints file
 # so that no dependency moves it), then runs `mxcompile doctor`, `mxcompile inspect mlp` and a
-# smoke set of tests: the backend, the model zoo, the numerics, the CLI's inspect and the
-# integrations (Trainer, PEFT, timm).
+# smoke set of tests: the backend, the model zoo, the numerics, the CLI's inspect, the
+# integrations (Trainer, PEFT, timm) and one distributed launch (2 gloo processes).
 #
 #   scripts/check_torch.sh VERSION [VENV_DIR] [-- PYTEST_ARGS...]
 #   scripts/check_torch.sh 2.11.0                  # venv in /tmp/mxcompile-torch-2.11.0
@@ -11,7 +11,8 @@
 #
 # An existing venv with the right torch is reused (only the project is reinstalled). The torch
 # wheels of the registry are CUDA builds of several GB that also run on the CPU: mind the disk.
-# The tests run with a fresh Inductor cache of the venv's own (`VENV_DIR/inductor-cache`), one
+# PYTEST_ARGS, when given, replace the smoke set: name the test paths in them. The tests run
+# with an Inductor cache of the venv's own (`VENV_DIR/inductor-cache`), one
 # worker per core as in CI (pytest-xdist `-n 2 --dist loadfile`, from pyproject.toml). The log
 # goes to VENV_DIR/check.log as well; the exit code is pytest's (0: every test passed).
 set -euo pipefail
@@ -22,8 +23,11 @@ version="$1"; shift
 venv="/tmp/mxcompile-torch-$version"
 if [[ $# -ge 1 && $1 != -- ]]; then venv="$1"; shift; fi
 if [[ $# -ge 1 ]]; then [[ $1 == -- ]] || usage; shift; fi
-# The smoke set: the backend, the model zoo, the numerics, the CLI's inspect, the integrations.
-tests=(tests/backend/test_backend.py tests/models tests/numerics tests/cli/test_inspect.py tests/integrations)
+# The smoke set: the backend, the model zoo, the numerics, the CLI's inspect, the integrations
+# and a distributed step (DDP, FSDP2, tensor parallelism on 2 gloo processes): about 15 minutes
+# on 2 cores.
+tests=(tests/backend/test_backend.py tests/models tests/numerics tests/cli/test_inspect.py tests/integrations
+       tests/distributed/test_multiprocess.py)
 [[ $# -ge 1 ]] && tests=("$@")
 
 cd "$(dirname "$0")/.."
