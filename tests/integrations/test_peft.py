@@ -68,6 +68,11 @@ def test_lora_trains_with_the_base_gemms_in_mx() -> None:
     assert len(kept) == adapters * LAYERS + adapters * (LAYERS - 1), kept_gemms(report)
     assert sorted(d.graph for d in kept) == ["backward"] * adapters * (LAYERS - 1) + ["forward"] * adapters * LAYERS
     assert all(RANK_PADDING in d.reason for d in kept), kept_gemms(report)
+    names = dict(model.named_modules())
+    assert all(d.module in names for d in report.decisions), sorted({d.module for d in report.decisions} - set(names))
+    assert {d.module for d in kept if d.graph == "forward"} == {
+        f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_B.default"
+        for layer in range(LAYERS) for proj in ("q_proj", "v_proj")}
     # LoRA's GEMMs that contract over the hidden size or the tokens run in MX.
     assert all(d.decision == CONVERTED for d in lora_gemms if d not in kept)
     assert {d.kind for d in lora_gemms if d.decision == CONVERTED} == {"output", "input_grad", "weight_grad"}
