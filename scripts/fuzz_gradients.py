@@ -21,7 +21,7 @@ import torch._inductor.config as inductor_config  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 from gradient_blocks import (  # noqa: E402
-    MX_SDPA_BOUND, ORACLE_BOUND, block_recipes, compare_with_oracle, decomposed_eager_lowering, describe,
+    block_recipes, bound_for, compare_with_oracle, decomposed_eager_lowering, describe,
     recipe_backend,
 )
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     def check(recipe):
         start = time.perf_counter()
         distances = compare_with_oracle(recipe, lambda r: recipe_backend(r, lower))
-        bound = MX_SDPA_BOUND if recipe.mx_sdpa and recipe.attention == "sdpa" else ORACLE_BOUND
+        bound = bound_for(recipe, exact_lowering=args.lowering == "decomposed")
         worst = max(distances, key=distances.get)
         verdict = "ok  " if distances[worst] <= bound else "FAIL"
         line = f"{verdict} {distances[worst]:.2e} (bound {bound:g}) {worst:<20} {time.perf_counter() - start:5.1f} s | {describe(recipe)}"

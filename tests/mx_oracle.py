@@ -18,6 +18,14 @@ The rules are the recipe's and the backend's documented ones (README "Numerics",
 - addmm / baddbmm: the product first, then `beta * bias` added in fp32 (MX GEMMs take no bias);
 - GEMMs of integer or fp8 operands stay as they are.
 
+Non-GEMM ops run as eager torch runs them, or, given `decompositions` (torch's own table, e.g.
+`torch._inductor.decomposition.select_decomp_table()`, the one AOTAutograd applies for the
+backend), through those decompositions: then both sides compute the same fp32 operations, and a
+compiled graph run op by op must give the oracle's gradients bit for bit. Without them, an fp32
+difference of one unit in the last place now and then moves a GEMM operand element across an FP8
+rounding boundary (a softmax backward's dS element at a round-half-even tie, seen here), which
+changes the gradients it feeds by up to a few percent.
+
 `scaled_dot_product_attention` is one fused op below autograd (or, for strided inputs, a
 composite whose GEMMs only the dispatch level sees), so the oracle takes it above autograd,
 with a `TorchFunctionMode`, in one of two forms (`SdpaForm`): kept in high precision as a whole,
@@ -105,17 +113,23 @@ class _HighPrecisionAttention(torch.autograd.Function):
     """SDPA with the oracle paused in its forward and in its backward (recomputed)."""
 
     @staticmethod
+    def _run(oracle: "MXOracle", kwargs: dict, tensors) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """SDPA on inputs that require gradients, as in training: SDPA picks its kernel by that
+        (under no_grad, CPU strided inputs take the flash kernel instead of the math path)."""
+        inputs = [t.detach().requires_grad_(True) for t in tensors]
+        with oracle.paused(), torch.enable_grad():
+            return inputs, F.scaled_dot_product_attention(*inputs, **kwargs)
+
+    @staticmethod
     def forward(ctx, oracle: "MXOracle", kwargs: dict, q, k, v):
         ctx.oracle, ctx.kwargs = oracle, kwargs
         ctx.save_for_backward(q, k, v)
-        with oracle.paused():
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return _HighPrecisionAttention._run(oracle, kwargs, (q, k, v))[1].detach()
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-        with ctx.oracle.paused(), torch.enable_grad():
-            out = F.scaled_dot_product_attention(*inputs, **ctx.kwargs)
+        inputs, out = _HighPrecisionAttention._run(ctx.oracle, ctx.kwargs, ctx.saved_tensors)
+        with ctx.oracle.paused():
             return (None, None, *torch.autograd.grad(out, inputs, grad))
 
 
@@ -142,9 +156,11 @@ class MXOracle(TorchDispatchMode):
     `converted` and `kept` count the GEMMs of each kind, so that a test can check that the
     oracle saw the GEMMs it was meant to."""
 
-    def __init__(self, block: int = BLOCK, sdpa: SdpaForm = SdpaForm.HIGH_PRECISION):
+    def __init__(self, block: int = BLOCK, sdpa: SdpaForm = SdpaForm.HIGH_PRECISION,
+                 decompositions: dict | None = None):
         super().__init__()
         self.block, self.sdpa = block, sdpa
+        self.decompositions = decompositions or {}
         self.converted = 0
         self.kept = 0
         self.is_paused = False
@@ -178,7 +194,7 @@ class MXOracle(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.is_paused:
-            return func(*args, **kwargs)
+            return self._high_precision(func, args, kwargs)
         if func in (aten.mm.default, aten.bmm.default):
             lhs, rhs = args
             if _converts(lhs, rhs, self.block):
@@ -199,6 +215,14 @@ class MXOracle(TorchDispatchMode):
             return self._grouped(func, args, kwargs)
         if func in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
             self.kept += 1
+        return self._high_precision(func, args, kwargs)
+
+    def _high_precision(self, func, args, kwargs):
+        """func as eager torch runs it, through its decomposition where one was given."""
+        if func in self.decompositions:
+            decomposed = self.decompositions[func](*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
         return func(*args, **kwargs)
 
     def _grouped(self, func, args, kwargs):

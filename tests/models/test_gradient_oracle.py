@@ -1,5 +1,6 @@
-"""Compiled-MX gradients equal the eager MX oracle's (issue 35): per parameter, within
-ORACLE_BOUND (tests/gradient_blocks.py states why), for
+"""Compiled-MX gradients equal the eager MX oracle's (issue 35), per parameter: bit for bit where
+the graph runs op by op, within a stated bound under Inductor and for MX SDPA
+(tests/gradient_blocks.py states why), for
 
 - the fused qkv + unbind + rotary + SDPA block of the issue, through the real backend (Inductor);
 - every architecture of the HF zoo, with its default dropout (torch's eager random ops on both
@@ -23,12 +24,15 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
+from torch._inductor.decomposition import select_decomp_table
 
 from gradient_blocks import (
+    EXACT,
+    INDUCTOR_BOUND,
     MX_SDPA_BOUND,
-    ORACLE_BOUND,
     BlockRecipe,
+    bound_for,
     block_recipes,
     compare_with_oracle,
     compiled_distances,
@@ -76,15 +80,15 @@ def test_fused_qkv_rotary_sdpa_query_gradient_equals_the_oracles():
     model = _IssueBlock()
     x, target = torch.randn(2, 64, 64), torch.randn(2, 64, 64)
     reference = copy.deepcopy(model)
-    with MXOracle():
+    with MXOracle(decompositions=select_decomp_table()):
         (reference(x) * target).sum().backward()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="mxfp8", options={"attention": "off"})
     (compiled(x) * target).sum().backward()
     rows = [relative_distance(model.qkv.weight.grad[i * 64:(i + 1) * 64], reference.qkv.weight.grad[i * 64:(i + 1) * 64])
             for i in range(3)]
-    assert max(rows) <= ORACLE_BOUND, f"q, k, v rows of qkv.weight.grad: {rows}"
-    assert relative_distance(model.out.weight.grad, reference.out.weight.grad) <= ORACLE_BOUND
+    assert max(rows) <= INDUCTOR_BOUND, f"q, k, v rows of qkv.weight.grad: {rows}"
+    assert relative_distance(model.out.weight.grad, reference.out.weight.grad) <= INDUCTOR_BOUND
 
 
 def _zoo_loss(batch):
@@ -102,15 +106,21 @@ def test_zoo_gradients_equal_the_oracles(name):
     backend = recipe_backend(BlockRecipe(attention="eager"), decomposed_eager_lowering())
     distances = compiled_distances(model, _zoo_loss(ZOO[name].batch(SEQ)), backend)
     worst = sorted(distances.items(), key=lambda item: -item[1])[:3]
-    assert worst[0][1] <= ORACLE_BOUND, f"{name}: worst parameters {worst}"
+    assert worst[0][1] == EXACT, f"{name}: worst parameters {worst}"
 
 
 @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(block_recipes())
+# Draws that found the rotary bug (scripts/fuzz_gradients.py on the code before its fix), kept
+# because the derandomized draws above happen not to include one.
+@example(BlockRecipe(heads=1, seq=48, split="unbind", rotary="half", attention="sdpa", mask="bool",
+                     extra_use="v_residual", norm="layer", mlp=True, seed=18178))
+@example(BlockRecipe(heads=2, seq=48, split="unbind", rotary="half", attention="sdpa", mask="additive",
+                     residual=True, mx_sdpa=True, seed=7123))
 def test_fuzzed_blocks_gradients_equal_the_oracles(recipe):
     distances = compare_with_oracle(recipe, lambda r: recipe_backend(r, decomposed_eager_lowering()))
-    bound = MX_SDPA_BOUND if recipe.mx_sdpa and recipe.attention == "sdpa" else ORACLE_BOUND
+    bound = bound_for(recipe, exact_lowering=True)
     worst = max(distances, key=distances.get)
     assert distances[worst] <= bound, f"{worst}: {distances[worst]:.3g} > {bound} for {describe(recipe)}"
 
@@ -145,4 +155,4 @@ def test_oracle_tells_high_precision_apart():
 
     recipe = BlockRecipe(heads=1, seq=32, split="chunk", rotary="half", attention="eager", mlp=True)
     distances = compare_with_oracle(recipe, high_precision)
-    assert min(distances[name] for name in ("block.qkv.weight", "block.mlp.0.weight")) > ORACLE_BOUND, distances
+    assert min(distances[name] for name in ("block.qkv.weight", "block.mlp.0.weight")) > INDUCTOR_BOUND, distances
