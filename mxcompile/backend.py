@@ -36,6 +36,7 @@ from torch._inductor.output_code import OutputCode
 from .compile_cache import load_report, report_key, store_report, tagged
 from .config import MXConfig
 from .coverage import warn_uncompiled
+from .distributed.fsdp import unsharded_parameters
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
 from .distributed.subclass_inputs import param_placeholder_indices
 from .lowering import inductor_compiler
@@ -275,7 +276,7 @@ def report_of(model: torch.nn.Module) -> list[Report]:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"report_of takes an nn.Module or a compiled one, got {type(model).__name__}; "
                          "use mxcompile.reports() for compiled functions")
-    return _HISTORY.of_module(module)
+    return _HISTORY.of_module(module, also=unsharded_parameters(module))  # FSDP2 units: the graphs ran with these
 
 
 def clear_reports() -> None:

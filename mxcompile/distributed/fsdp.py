@@ -19,7 +19,7 @@ from torch import nn
 from ..config import FsdpAllGather, MXConfig
 from ..coverage import warn_uncompiled
 
-__all__ = ["FullyShardResult", "compile_fsdp2", "find_block_types", "fully_shard"]
+__all__ = ["FullyShardResult", "compile_fsdp2", "find_block_types", "fully_shard", "unsharded_parameters"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,22 @@ class FullyShardResult:
     units: Mapping[str, str] = field(default_factory=dict)  # unit name ("" = root) -> why it is a unit
     all_gather: Mapping[str, str] = field(default_factory=dict)  # weight -> MX all-gather decision
     compiled: tuple[str, ...] = ()  # modules whose forward was compiled
+
+
+def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters of the FSDP2 units in `module`: compiled graphs run with these,
+    while between steps the module holds the sharded (DTensor) ones. Read through FSDP2's
+    private state (`_get_fsdp_state()._fsdp_param_groups`, torch 2.11-2.14); empty where there is none."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return []
+    found: list[torch.Tensor] = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                found.extend(p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param"))
+    return found
 
 
 def find_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
