@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from torch._guards import detect_fake_mode
 
+from ..graph_meta import concrete_int, fake_value, shape_hint, value_device  # re-exported for the passes
 from .meta_keys import GRAPH_INFO_KEY
 
 
@@ -43,35 +44,9 @@ def graph_info(gm: fx.GraphModule) -> GraphInfo:
     return gm.meta.get(GRAPH_INFO_KEY) or GraphInfo(kind="inference")
 
 
-def fake_value(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
 def graph_fake_mode(gm: fx.GraphModule):
     values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-
-
-def value_device(node: fx.Node) -> torch.device:
-    """The device of ``node``'s value; CPU for a graph traced without values (fx.symbolic_trace
-    in tests). Used where the choice only affects speed: the MX GEMM's operand dtype
-    (`mxcompile.ops.gemm_operand_dtype`; both choices compute the same exact products)."""
-    value = fake_value(node)
-    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-
-
-def concrete_int(value: Any) -> int | None:
-    """An int for a static size, the runtime hint for a symbolic one, None if unknown."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        hint = value.node.hint
-        return int(hint) if hint is not None else None
-    return None
-
-
-def shape_hint(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(concrete_int(s) or 0 for s in t.shape)
 
 
 def clean_module_path(dynamo_path: str) -> str:
