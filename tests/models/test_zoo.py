@@ -94,12 +94,22 @@ def test_two_steps_close_to_eager_with_finite_gradients(zoo_runs, name):
     assert not run.missing_grads, run.missing_grads
 
 
+def _assert_graphs_with_gemms_converted(reports: list[Report]) -> None:
+    """Each graph that holds GEMMs converts most of their FLOPs. A graph break may leave a graph
+    without any beside the others: torch 2.11's dynamo splits T5 at `copy.deepcopy` of its
+    config (transformers' get_text_config), leaving a graph of one `embedding` call. A model
+    none of whose graphs holds a GEMM still fails."""
+    assert any(report.decisions for report in reports), "no GEMM was found"
+    for report in reports:
+        if report.decisions:
+            assert_converted(report)
+
+
 @pytest.mark.parametrize("name", params_marking(NOT_CONVERTED))
 def test_training_graphs_convert_most_gemm_flops(zoo_runs, name):
     run = zoo_runs(name)
     assert run.training, "the training compile left no report"
-    for report in run.training:
-        assert_converted(report)
+    _assert_graphs_with_gemms_converted(run.training)
 
 
 @pytest.mark.parametrize("name", params_marking(NOT_CONVERTED))
@@ -108,4 +118,4 @@ def test_eval_forward_under_no_grad_is_converted(zoo_runs, name):
     assert run.inference, "the eval forward compiled no graph"
     for report in run.inference:
         assert {d.graph for d in report.decisions} <= {"inference"}
-        assert_converted(report)
+    _assert_graphs_with_gemms_converted(run.inference)

@@ -25,6 +25,9 @@ from mxcompile.numerics import (
 from mx_reference import special_cases
 
 BLOCK = 32
+# Dynamo in torch 2.11 cannot iterate an Enum class inside a compiled function (2.13 can): the
+# compiled functions below iterate this tuple.
+SCALE_MODES = tuple(ScaleMode)
 
 
 def _octave_rows(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -51,7 +54,7 @@ def _all_modes_both_axes(
     matrix of cases."""
     fmt = ELEM_FORMATS[elem]
     out = []
-    for scale_mode in ScaleMode:
+    for scale_mode in SCALE_MODES:
         for x, axis in ((x_rows, 1), (x_cols, 0)):
             data, scale = quantize_along(x, axis, fmt, scale_mode, BLOCK)
             deq = dequantize_along(data, scale, axis, BLOCK, torch.float32) if scale_mode is dequantize_mode else None
