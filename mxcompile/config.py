@@ -83,6 +83,9 @@ class MXConfig:
     exclude: tuple[str, ...] = ()  # regexes on module names; wins over include
     min_gemm_flops: int = 0  # GEMMs with fewer FLOPs (2*M*N*K) stay in high precision
     attention: AttentionMode = AttentionMode.BOTH
+    # Smooth-SwiGLU: scale the down projection's input per hidden channel by a power of two
+    # (and its weight by the inverse) before MX quantization (passes/smooth_swiglu.py).
+    smooth_swiglu: bool = False
 
     # Lowering.
     gemm_kernel: GemmKernel = GemmKernel.AUTO
@@ -104,7 +107,7 @@ class MXConfig:
         for name, kind in _ENUM_FIELDS.items():
             object.__setattr__(self, name, _enum_choice(name, getattr(self, name), kind))
         check_block_size(self.block_size)
-        for name in ("hp_weight_grad", "offload", "fallback"):
+        for name in ("hp_weight_grad", "offload", "fallback", "smooth_swiglu"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not accepted; accepted: True or False")
         if isinstance(self.min_gemm_flops, bool) or not isinstance(self.min_gemm_flops, int) or self.min_gemm_flops < 0:

@@ -2,7 +2,8 @@
 `(gm, config, graph_name) -> PassResult` that changes the graph in place and reports what it
 changed. The order below is the order they run in; nothing else decides it:
 
-1. PIPELINE, on the joint (training) or inference graph: attention_rewrite, gemm_rewrite;
+1. PIPELINE, on the joint (training) or inference graph: attention_rewrite, smooth_swiglu,
+   gemm_rewrite;
 2. PARTITION_STAGE, on a joint graph only: partition into forward and backward, with the
    memory plan of the saved activations when config.memory_budget is set (memory_plan).
 """
@@ -18,12 +19,15 @@ from ..report import PassResult
 from .attention_rewrite import rewrite_attention
 from .gemm_rewrite import rewrite_gemms
 from .memory_plan import plan_and_partition
+from .smooth_swiglu import smooth_swiglu
 
 Pass = Callable[[fx.GraphModule, MXConfig, str], PassResult]
 PartitionStage = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
 
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("attention_rewrite", rewrite_attention),  # first: claims attention's bmm's before gemm_rewrite
+    # before gemm_rewrite: rescales a SwiGLU down projection's operands, which gemm_rewrite then quantizes
+    ("smooth_swiglu", smooth_swiglu),
     ("gemm_rewrite", rewrite_gemms),
 )
 
