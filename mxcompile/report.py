@@ -100,7 +100,7 @@ class Report:
 
     def totals(self) -> dict[str, Any]:
         return {
-            "gemms": len(self.decisions),
+            "gemms": sum(d.decision in (CONVERTED, KEPT) for d in self.decisions),  # not smooth_swiglu's rows
             "converted": sum(d.decision == CONVERTED for d in self.decisions),
             "kept": sum(d.decision == KEPT for d in self.decisions),
             "gemm_flops": self.gemm_flops_total,

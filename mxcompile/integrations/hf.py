@@ -116,7 +116,7 @@ def mx_share(model: torch.nn.Module) -> MXShare:
     reasons = sorted(flops_by_reason, key=lambda r: -flops_by_reason[r])[:KEPT_REASONS_SHOWN]
     return MXShare(
         graphs=len(reports),
-        gemms=sum(len(r.decisions) for r in reports),
+        gemms=sum(r.totals()["gemms"] for r in reports),
         converted_gemms=sum(r.totals()["converted"] for r in reports),
         gemm_flops=sum(r.gemm_flops_total for r in reports),
         converted_flops=sum(r.gemm_flops_converted for r in reports),

@@ -79,7 +79,7 @@ CHANGED_FIELDS = {
     "forward_elem": "e5m2", "grad_elem": "e5m2", "scale_mode": "floor", "block_size": 16,
     "hp_weight_grad": True, "include": ("fc1",), "exclude": ("fc1",), "min_gemm_flops": 1,
     "attention": "off", "memory_budget": MemoryBudget.parse(0.5), "offload": True,
-    "fsdp_all_gather": "mxfp8", "fallback": False, "gemm_kernel": "dequantized",
+    "fsdp_all_gather": "mxfp8", "fallback": False, "gemm_kernel": "dequantized", "smooth_swiglu": True,
 }
 
 
