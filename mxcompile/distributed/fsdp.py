@@ -34,7 +34,8 @@ class FullyShardResult:
 def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
     """The unsharded parameters of the FSDP2 units in `module`: compiled graphs run with these,
     while between steps the module holds the sharded (DTensor) ones. Read through FSDP2's
-    private state (`_get_fsdp_state()._fsdp_param_groups`, torch 2.11-2.14); empty where there is none."""
+    private state (`_get_fsdp_state()`: a list `_fsdp_param_groups` in torch 2.13, a single
+    `_fsdp_param_group` in 2.11); empty where there is none."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
@@ -42,7 +43,11 @@ def unsharded_parameters(module: nn.Module) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
+            state = unit._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+            for group in groups:
                 found.extend(p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param"))
     return found
 
