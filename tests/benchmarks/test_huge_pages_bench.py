@@ -3,7 +3,6 @@ toggles and prints one row per op and size."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,13 @@ import pytest
 from mxcompile.ops import native
 from mxcompile.ops.native import huge_pages
 
+from script_modules import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("huge_pages_bench", REPO / "benchmarks" / "huge_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "benchmarks" / "huge_pages.py", "huge_pages_bench")
 
 
 def test_compare_times_both_settings_and_restores_the_threshold() -> None:

@@ -4,23 +4,16 @@ unit test)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from script_modules import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_budget_rss.py"
 MIB = 2**20
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("memory_budget_rss_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script(SCRIPT, "memory_budget_rss_benchmark")
 
 
 def _rows(bench, rss_at_one: int, rss_at_half: int):

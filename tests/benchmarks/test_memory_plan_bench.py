@@ -6,7 +6,6 @@ consistent with each other."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,19 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from script_modules import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "memory_plan.py"
 ROWS = ("none", "1.00", "0.50")
 
 
 def _columns(table: str) -> list[str]:
-    spec = importlib.util.spec_from_file_location("memory_plan_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
+    module = load_script(SCRIPT, "memory_plan_benchmark")
     return [name for name, _ in getattr(module, table)]
 
 
