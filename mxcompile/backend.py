@@ -303,15 +303,22 @@ def mxfp8_backend(
     return compile_and_record(gm, example_inputs, config)
 
 
-def compile(model: Any, config: MXConfig | None = None, **torch_compile_kwargs: Any) -> Any:
-    """Typed alternative to torch.compile(model, backend="mxfp8", options=...)."""
+def configured_backend(config: MXConfig | None, torch_compile_kwargs: dict[str, Any], caller: str) -> Callable:
+    """The mxfp8 backend bound to `config` (default `MXConfig()`), for `torch.compile` or
+    `Module.compile`; `caller` names the function in the errors about its arguments."""
     if "backend" in torch_compile_kwargs or "options" in torch_compile_kwargs:
-        raise ValueError("mxcompile.compile sets backend and options itself; pass config=MXConfig(...)")
+        raise ValueError(f"{caller} sets backend and options itself; pass config=MXConfig(...)")
     config = config if config is not None else MXConfig()
     if not isinstance(config, MXConfig):
         raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    backend = functools.partial(mxfp8_backend, config=config)
+    backend.__name__ = "mxfp8"  # type: ignore[attr-defined]  (dynamo names backends in its logs)
+    return backend
+
+
+def compile(model: Any, config: MXConfig | None = None, **torch_compile_kwargs: Any) -> Any:
+    """Typed alternative to torch.compile(model, backend="mxfp8", options=...)."""
+    backend = configured_backend(config, torch_compile_kwargs, "mxcompile.compile")
     if isinstance(model, torch.nn.Module):  # layers dynamo would never trace: say so now
         warn_uncompiled(model, compiled=True)
-    backend = functools.partial(mxfp8_backend, config=config)
-    backend.__name__ = "mxfp8"  # type: ignore[attr-defined]
     return torch.compile(model, backend=backend, **torch_compile_kwargs)

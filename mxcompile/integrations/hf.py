@@ -19,7 +19,6 @@ Nothing here patches transformers or accelerate.
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..backend import mxfp8_backend, report_of
+from ..backend import configured_backend, report_of
 from ..config import MXConfig
 from ..coverage import warn_uncompiled
 
@@ -70,13 +69,7 @@ def compile_model(
             "make the Trainer compile the model again through accelerate, which accepts only its own "
             "backend names (\"'MXFP8' is not a valid DynamoBackend\"): set torch_compile=False; "
             "compile_model compiles the model with the mxfp8 backend")
-    if "backend" in torch_compile_kwargs or "options" in torch_compile_kwargs:
-        raise ValueError("compile_model sets the backend itself; pass config=MXConfig(...)")
-    config = config if config is not None else MXConfig()
-    if not isinstance(config, MXConfig):
-        raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
-    backend = functools.partial(mxfp8_backend, config=config)
-    backend.__name__ = "mxfp8"  # type: ignore[attr-defined]  (dynamo names backends in its logs)
+    backend = configured_backend(config, torch_compile_kwargs, "compile_model")
     model.compile(backend=backend, **torch_compile_kwargs)
     warn_uncompiled(model)
     return model

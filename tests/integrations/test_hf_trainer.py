@@ -86,7 +86,7 @@ def test_compile_model_refuses_trainer_compilation(tmp_path) -> None:
         hf.compile_model(_tiny_llama(), args)
     with pytest.raises(ValueError, match="already compiled"):
         hf.compile_model(torch.compile(torch.nn.Linear(4, 4), backend="eager"))
-    with pytest.raises(ValueError, match="sets the backend itself"):
+    with pytest.raises(ValueError, match="compile_model sets backend and options itself"):
         hf.compile_model(_tiny_llama(), backend="inductor")
     # What the helper protects from: accelerate refuses the name before any backend runs.
     with pytest.raises(ValueError, match="not a valid DynamoBackend"):
