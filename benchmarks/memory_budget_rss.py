@@ -27,11 +27,16 @@ it): what a CPU user sees; ``tensor MiB``, the peak of live tensor storage the s
 inputs (resident before the step). ``budget MiB``: the plan's budget (``report.memory_plan``
 of ``mxcompile.explain`` on the same model and inputs: the plan is made before lowering, so it
 is the same under both lowerings), parameters and inputs included; ``+held``: the measured
-peak plus those bytes, held against it. ``ms``: median step time of ``--steps`` + 1 steps after
-``--warmup`` in a second fresh process, an ordinary one (the peak's child runs with the mmap
-threshold, which makes steps several times slower);
-``+ms``: minus the no-budget step time of the same backend; ``est ms``: the plan's estimated
-recompute time; ``+/est``: their ratio (the target: within 2x).
+peak plus those bytes, held against it.
+
+Step times come from one more fresh process per model, an ordinary one (the peak's child runs
+with the mmap threshold, which makes steps several times slower), that compiles every row's
+step and then runs ``--rounds`` rounds, each row once per round in a rotated order
+(:func:`time_round_robin`), so that load drifting over minutes hits every row alike. ``ms``:
+a row's median step time; ``+ms``: the median over rounds of its time minus the same round's
+no-budget step of the same backend (a paired difference), ``[q1, q3]`` its quartiles;
+``est ms``: the plan's estimated recompute time; ``+/est``: their ratio (the target: within
+2x, i.e. in [0.5, 2]).
 
 The results go to ``--out`` as JSON (every number of the tables, with the command line, the
 torch version, the thread count and the load average before the run).
@@ -65,7 +70,8 @@ class Row:
     budget: str  # "none", the fraction, or for matched rows torch's fraction
     rss_bytes: int | None = None
     tensor_bytes: int | None = None
-    step_s: float | None = None
+    step_s: float | None = None  # median of the row's round-robin step times
+    over_s: tuple[float, float, float] | None = None  # paired extra time vs no budget: q1, median, q3
     first_s: float | None = None
     budget_bytes: int | None = None  # the plan's budget (parameters and inputs included)
     predicted_bytes: int | None = None  # the plan's modelled peak of the rewritten graphs
@@ -90,37 +96,77 @@ def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, step
         return row
     row.rss_bytes, row.tensor_bytes = peak.step_peak_bytes, peak.tensor_peak_bytes
     row.first_s = timing["first_s"]
-    try:
-        row.step_s = time_plain(factory, kwargs, warmup=warmup, steps=steps + 1)
-    except (RuntimeError, OSError) as err:
-        row.error = _short(err)
     return row
 
 
 TIMING_MARKER = "MEMORY_BUDGET_RSS_TIMING "
+# The child of time_round_robin: builds every step, warms each, then times rounds of all.
+_ROUND_ROBIN_CHILD = f"""
+import json, sys, time
+from mxcompile.measure.fresh_process import resolve_factory
+spec = json.loads(sys.argv[1])
+steps = [resolve_factory(s["factory"])(**s["kwargs"]) for s in spec["steps"]]
+for step in steps:
+    for _ in range(spec["warmup"]):
+        step()
+times = [[] for _ in steps]
+for r in range(spec["rounds"]):
+    for k in range(len(steps)):
+        i = (k + r) % len(steps)
+        started = time.perf_counter()
+        steps[i]()
+        times[i].append(time.perf_counter() - started)
+print({TIMING_MARKER!r} + json.dumps(times))
+"""
 
 
-def time_plain(factory: str, kwargs: dict[str, Any], *, warmup: int, steps: int, timeout_s: float = 1200.0) -> float:
-    """Median wall time of ``steps`` steps of ``factory`` in a fresh ordinary process (no
-    ``MALLOC_MMAP_THRESHOLD_``, which makes steps several times slower), after ``warmup``
-    untimed ones. Raises RuntimeError with the child's stderr tail when it fails."""
+def time_round_robin(specs: list[tuple[str, dict[str, Any]]], *, warmup: int, rounds: int,
+                     timeout_s: float = 3600.0) -> list[list[float]]:
+    """Wall times of each step factory in ``specs`` over ``rounds`` rounds (one list per spec,
+    in round order), all in one fresh ordinary process (no ``MALLOC_MMAP_THRESHOLD_``): every
+    step is built and run ``warmup`` times first, then each round runs every step once, the
+    order rotated by one each round, so slow drift in machine load is shared by all rows
+    and cancels in same-round differences. RuntimeError with the child's stderr tail if it fails."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    code = (
-        "import json, sys; from mxcompile.measure.fresh_process import resolve_factory; "
-        "from mxcompile.measure.timing import time_step; spec = json.loads(sys.argv[1]); "
-        "step = resolve_factory(spec['factory'])(**spec['kwargs']); "
-        "t = time_step(step, warmup_steps=spec['warmup'], time_steps=spec['steps']); "
-        f"print({TIMING_MARKER!r} + json.dumps(t))"
-    )
-    spec = json.dumps({"factory": factory, "kwargs": kwargs, "warmup": warmup, "steps": steps})
-    done = subprocess.run([sys.executable, "-c", code, spec], env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    spec = json.dumps({"steps": [{"factory": f, "kwargs": k} for f, k in specs], "warmup": warmup,
+                       "rounds": rounds})
+    done = subprocess.run([sys.executable, "-c", _ROUND_ROBIN_CHILD, spec], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith(TIMING_MARKER)]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"timing {factory} failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    return float(json.loads(lines[-1][len(TIMING_MARKER):])["median_s"])
+        raise RuntimeError(f"round-robin timing failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1][len(TIMING_MARKER):])
+
+
+def paired_extra(times: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Quartiles (q1, median, q3) over rounds of times[r] - base[r]."""
+    import statistics
+
+    q1, median, q3 = statistics.quantiles([t - b for t, b in zip(times, base)], n=4, method="inclusive")
+    return q1, median, q3
+
+
+def time_rows(rows: list[tuple[Row, str, dict[str, Any]]], *, warmup: int, rounds: int) -> None:
+    """Fill step_s and over_s of every row that measured (one round-robin child for all)."""
+    import statistics
+
+    timed = [(row, factory, kwargs) for row, factory, kwargs in rows if not row.error]
+    try:
+        times = time_round_robin([(f, k) for _, f, k in timed], warmup=warmup, rounds=rounds)
+    except (RuntimeError, OSError) as err:
+        for row, _, _ in timed:
+            row.error = _short(err)
+        return
+    by_row = {id(row): t for (row, _, _), t in zip(timed, times)}
+    for row, _, _ in timed:
+        row.step_s = statistics.median(by_row[id(row)])
+    for row, _, _ in timed:
+        base_backend = "torch" if row.backend == "torch" else "mxfp8"
+        base = next((r for r, _, _ in timed if r.backend == base_backend and r.budget == "none"), None)
+        if base is not None and row is not base:
+            row.over_s = paired_extra(by_row[id(row)], by_row[id(base)])
 
 
 def plan(row: Row, model: str, budget: Any, batch_size: int) -> Row:
@@ -155,9 +201,10 @@ def plan(row: Row, model: str, budget: Any, batch_size: int) -> Row:
 
 
 def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fractions: tuple[float, ...],
-              batch_size: int, warmup: int, steps: int, log: Any) -> list[Row]:
+              batch_size: int, warmup: int, steps: int, rounds: int, log: Any) -> list[Row]:
     common = {"model": model, "batch_size": batch_size, "lower": lower}
     rows: list[Row] = []
+    measured: list[tuple[Row, str, dict[str, Any]]] = []
 
     def run(row: Row, factory: str, kwargs: dict[str, Any]) -> Row:
         started = time.perf_counter()
@@ -165,6 +212,7 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
         log(f"  {model} {lower} {row.backend} {row.budget}: {time.perf_counter() - started:.0f} s"
             + (f" ({row.error})" if row.error else ""))
         rows.append(row)
+        measured.append((row, factory, kwargs))
         return row
 
     for fraction in (None, *torch_fractions):
@@ -186,6 +234,9 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
         budget = f"{source.tensor_bytes + held}B"
         plan(row, model, budget, batch_size)
         run(row, MX_FACTORY, {**common, "memory_budget": budget})
+    started = time.perf_counter()
+    time_rows(measured, warmup=warmup, rounds=rounds)
+    log(f"  {model} {lower} step times, {rounds} rounds of {len(measured)} rows: {time.perf_counter() - started:.0f} s")
     return rows
 
 
@@ -193,8 +244,8 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
 
-def _ms(value: float | None, sign: bool = False) -> str:
-    return "-" if value is None else (f"{value * 1e3:+.0f}" if sign else f"{value * 1e3:.0f}")
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
 
 
 def _flag(value: bool | None) -> str:
@@ -202,7 +253,9 @@ def _flag(value: bool | None) -> str:
 
 
 COLUMNS = (("backend", 7), ("budget", 6), ("RSS MiB", 7), ("tensor MiB", 10), ("budget MiB", 10),
-           ("pred MiB", 8), ("RSS+held", 8), ("in bud", 6), ("ms", 6), ("+ms", 6), ("est ms", 6), ("+/est", 5))
+           ("pred MiB", 8), ("RSS+held", 8), ("in bud", 6), ("ms", 6), ("+ms [q1, q3]", 18), ("est ms", 6),
+           ("+/est", 5))
+TIME_RATIO_RANGE = (1.0 / TIME_RATIO_LIMIT, TIME_RATIO_LIMIT)
 
 
 def verdicts(rows: list[Row]) -> dict[str, Any]:
@@ -232,28 +285,29 @@ def verdicts(rows: list[Row]) -> dict[str, Any]:
         if torch_row and None not in (r.rss_bytes, torch_row.rss_bytes):
             matched.append(r.rss_bytes <= torch_row.rss_bytes)
     out["matched_rss_at_or_under_torch"] = all(matched) if matched else None
-    ratios = []
-    for r in fractions:
-        if None in (r.step_s, r.recompute_s) or mx_none is None or mx_none.step_s is None or not r.recompute_s:
-            continue
-        ratios.append((r.step_s - mx_none.step_s) / r.recompute_s)
+    ratios = [r.over_s[1] / r.recompute_s for r in fractions if r.over_s is not None and r.recompute_s]
     out["time_over_estimate"] = ratios
+    low, high = TIME_RATIO_RANGE
+    out["time_within_2x"] = all(low <= ratio <= high for ratio in ratios) if ratios else None
     return out
+
+
+def _over(over: tuple[float, float, float] | None) -> str:
+    if over is None:
+        return "-"
+    q1, median, q3 = over
+    return f"{median * 1e3:+.0f} [{q1 * 1e3:+.0f}, {q3 * 1e3:+.0f}]"
 
 
 def table(rows: list[Row]) -> list[str]:
     lines = [" ".join(f"{name:>{width}}" for name, width in COLUMNS)]
-    base = {b: next((r.step_s for r in rows if r.backend == b and r.budget == "none"), None)
-            for b in ("torch", "mxfp8")}
-    base["matched"] = base["mxfp8"]
     for r in rows:
         with_held = None if r.rss_bytes is None or r.held_bytes is None else r.rss_bytes + r.held_bytes
         in_budget = None if with_held is None or r.budget_bytes is None else with_held <= r.budget_bytes
-        over = None if r.step_s is None or base[r.backend] is None or r.budget == "none" else r.step_s - base[r.backend]
-        ratio = "-" if over is None or not r.recompute_s else f"{over / r.recompute_s:.2f}"
+        ratio = "-" if r.over_s is None or not r.recompute_s else f"{r.over_s[1] / r.recompute_s:.2f}"
         cells = (r.backend, r.budget, _mib(r.rss_bytes), _mib(r.tensor_bytes), _mib(r.budget_bytes),
                  _mib(r.predicted_bytes), _mib(with_held), _flag(in_budget), _ms(r.step_s),
-                 _ms(over, sign=True), _ms(r.recompute_s), ratio)
+                 _over(r.over_s), _ms(r.recompute_s), ratio)
         lines.append(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, COLUMNS)))
     lines.extend(f"error: {r.backend} {r.budget}: {r.error}" for r in rows if r.error)
     return lines
@@ -268,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--torch-fractions", nargs="+", type=float, default=list(TORCH_FRACTIONS))
     parser.add_argument("--batch", type=int, default=8, help="mlp-12: 512 input rows per unit (8: 4096 rows)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps (the first compiles)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps before the measured one (median of all)")
+    parser.add_argument("--steps", type=int, default=2, help="steps before the one whose peak is measured")
+    parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds of step timing")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     fractions = tuple(sorted(set(args.fractions), reverse=True))
@@ -278,17 +333,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    print(f"memory budgets on CPU, fresh process per row, batch {args.batch}, {args.steps + 1} timed steps "
-          f"(median) after {args.warmup} warm-up, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"load {load:.1f} before")
+    print(f"memory budgets on CPU, fresh process per row, batch {args.batch}, peak of step {args.warmup + args.steps + 1}; "
+          f"step times: {args.rounds} round-robin rounds after {args.warmup} warm-up, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}, load {load:.1f} before")
     results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "torch": torch.__version__,
                                "threads": torch.get_num_threads(), "load_before": load, "batch": args.batch,
-                               "timed_steps": args.steps + 1, "runs": {}}
+                               "rounds": args.rounds, "runs": {}}
     for lower in args.lower:
         for model in args.models:
             rows = run_model(model, lower=lower, fractions=fractions, torch_fractions=torch_fractions,
                              batch_size=args.batch, warmup=args.warmup, steps=args.steps,
-                             log=lambda line: print(line, file=sys.stderr, flush=True))
+                             rounds=args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
             verdict = verdicts(rows)
             print(f"\n== {model}, {lower} ==")
             print("\n".join(table(rows)))

@@ -34,6 +34,8 @@ Conventions
 
 from __future__ import annotations
 
+import math
+
 import operator
 from typing import Any, Iterable
 
@@ -102,19 +104,36 @@ def is_alias(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-# Scratch bytes of the MX attention ops, in fp32 copies of one batch element's query, times the
-# batch elements the CPU ops run at a time (their `batch_chunk` argument): measured with
-# `measure.memory.tensor_peak_bytes` (peak minus outputs; 2026-12-04, after the operand rounding
-# moved to a 2-D rows view) at (batch, heads, seq, head_dim) = (8, 2, 64, 32), (2, 4, 256, 64),
-# (1, 2, 512, 64), (4, 4, 128, 64), (4, 4, 128, 32), (4, 2, 128, 64), (1, 8, 256, 64) and
-# (2, 8, 512, 64), causal and not, key tile 64: forward 8.3-22.4, backward 16.3-32.2 (most at
-# head_dim 32, where the score tile is large beside the query); rounded up. (The constants
-# before, 15 and 25, were measured on the earlier rounding and fell short at head_dim 32.)
-ATTENTION_WORKSPACE_QUERY_COPIES: dict[str, tuple[int, int]] = {
-    # schema name: (index of the query argument, fp32 copies of one batch element's query)
-    ATTENTION_SCHEMA_NAME: (0, 23),
-    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 33),
+# Scratch bytes of the MX attention ops per batch element, times the batch elements the CPU ops
+# run at a time (their `batch_chunk` argument): fp32 copies of one element's query (heads x
+# seq_q x head_dim) plus fp32 copies of one element's score tile (heads x seq_q x
+# min(key_tile, seq_k)), the per-key-tile scores and probabilities. Measured with
+# `measure.memory.tensor_peak_bytes` (peak minus outputs; 2026-12-07, native kernels, key tile
+# 128) at (batch, heads, seq, head_dim) = (4, 4, 128, 64), (8, 4, 128, 64), (8, 2, 64, 32),
+# (2, 4, 256, 64), (1, 2, 512, 64), (4, 4, 128, 32), (1, 8, 256, 64), (2, 8, 512, 64),
+# (2, 4, 512, 32), (2, 2, 256, 128), (1, 4, 512, 128), (1, 2, 1024, 32), causal and not: per
+# element, in query copies, forward 9.0 / 10.2 / 15.2 and backward 18.0 / 21.1 / 27.1 at most
+# with the tile 1 / 2 / 4 times the query (head_dim 128 / 64 / 32); a chunk of c elements held
+# at most c times one element's. Fitted as a + b * (tile / query) and rounded up, an upper bound
+# at every shape measured. (One constant per op before, 23 and 33 query copies, the worst case
+# of all shapes: at head_dim 64 it counted 2.3x and 1.6x the measured scratch, which with
+# several elements per chunk put the small GPT's modelled peak 11% over the measured one.)
+ATTENTION_WORKSPACE_COPIES: dict[str, tuple[int, int, int]] = {
+    # schema name: (index of the query argument, fp32 query copies, fp32 score-tile copies)
+    ATTENTION_SCHEMA_NAME: (0, 8, 2),
+    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 16, 3),
 }
+
+
+def attention_workspace_bytes(query: torch.Tensor, key_length: int, key_tile: int, chunk: int,
+                              query_copies: int, tile_copies: int) -> int:
+    """Scratch of an MX attention op on `query` (batch, ..., seq_q, head_dim; the dims between
+    are heads) run `chunk` batch elements at a time (see ATTENTION_WORKSPACE_COPIES)."""
+    dims = [max(1, concrete_int(size) or 1) for size in query.shape]
+    batch, heads, seq_q, width = dims[0], math.prod(dims[1:-2]), dims[-2], dims[-1]
+    tile = min(key_tile, max(1, key_length))
+    per_element = FP32_BYTES * heads * seq_q * (query_copies * width + tile_copies * tile)
+    return per_element * min(batch, chunk)
 
 
 # Scratch of eager ATen CPU kernels, seen in torch.profiler's allocator events of the small GPT
@@ -162,12 +181,13 @@ def workspace_bytes(node: fx.Node) -> int:
         return max(0, peak - node_bytes(node))
     if name == QUANTIZE_SCHEMA_NAME:
         return quantize_scratch_bytes(_numel(node.args[0]))
-    if name in ATTENTION_WORKSPACE_QUERY_COPIES:
-        index, copies = ATTENTION_WORKSPACE_QUERY_COPIES[name]
-        query = _val(node.args[index])
-        batch = max(1, concrete_int(query.shape[0]) or 1) if query is not None and query.ndim else 1
-        chunk = min(batch, _schema_argument(node, "batch_chunk"))
-        return copies * FP32_BYTES * _numel(node.args[index]) // batch * chunk
+    if name in ATTENTION_WORKSPACE_COPIES:
+        index, query_copies, tile_copies = ATTENTION_WORKSPACE_COPIES[name]
+        query, key = _val(node.args[index]), _val(node.args[index + 1])
+        if query is None or query.ndim < 3 or key is None:
+            return 0
+        return attention_workspace_bytes(query, concrete_int(key.shape[-2]) or 1, _schema_argument(node, "key_tile"),
+                                         _schema_argument(node, "batch_chunk"), query_copies, tile_copies)
     return aten_scratch_bytes(node)
 
 

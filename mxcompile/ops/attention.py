@@ -97,7 +97,8 @@ def attention_op(
 # A chunk the rewrite lets the torch implementation run at once, when no memory budget asks
 # for the least scratch: whole batch elements, at most this many query elements in all (or one
 # element). The implementation's ~40 ops per key tile then serve several elements, and its
-# scratch, up to ~33 fp32 copies of a chunk's query (`cost.graph_costs`), stays under ~65 MiB.
+# scratch, up to ~28 fp32 copies of a chunk's query at head_dim 32 (`cost.graph_costs`), stays
+# under ~65 MiB.
 # Measured on the 2-core CPU (2026-12-06, causal, bf16, 8 heads of 64, key tile 128, forward +
 # backward, medians of 10-12 interleaved repeats): 2**19 beats 2**20 where they differ, since
 # the score tiles' eager passes then stay near the caches (batch 8, sequence 256: 58.9 ms at

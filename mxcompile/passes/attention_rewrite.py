@@ -392,9 +392,11 @@ _OUT, _LSE = object(), object()
 def _batch_chunk(q_node: fx.Node, config: MXConfig) -> int:
     """Batch elements the ops' torch implementation runs at a time: one under a memory budget
     (the least scratch, which the planner counts per chunk), else `ops.attention.batch_chunk_for`
-    of the query's size (its hint, for a dynamic batch or length)."""
+    of the query's size (its hint, for a dynamic batch or length). A budget of 1.0 keeps
+    everything, so it keeps the unbudgeted chunk too: its step is the step without a budget."""
     query = fake_value(q_node)
-    if config.memory_budget is not None or query.ndim != 4:
+    budget = config.memory_budget
+    if (budget is not None and not budget.keeps_everything) or query.ndim != 4:
         return 1
     return batch_chunk_for(concrete_int(query.shape[0]) or 1, math.prod(concrete_int(s) or 1 for s in query.shape[1:]))
 

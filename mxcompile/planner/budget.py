@@ -79,6 +79,12 @@ class MemoryBudget:
                 return cls.of_bytes(int(float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()]))
         raise ValueError(f"memory_budget={value!r} is not understood; {_ACCEPTED}")
 
+    @property
+    def keeps_everything(self) -> bool:
+        """The fraction 1.0: the keep-everything peak itself, which every graph meets unplanned,
+        so nothing about the graphs may change (the passes compile them as without a budget)."""
+        return self.fraction == 1.0
+
     def to_json(self) -> str | float:
         """The budget as `parse` reads it back: "<n>B" for bytes, the float for a fraction."""
         return f"{self.bytes}B" if self.bytes is not None else self.fraction  # type: ignore[return-value]
