@@ -12,7 +12,13 @@ Variants (same seed = same initial weights and same batch order in every variant
   baseline      torch.compile's default backend, in --precision (bf16 autocast, or fp32)
   mxfp8         every GEMM, attention's included, in MXFP8 (mxcompile's defaults)
   mx-noattn     linear layers only (attention="off")
+  mx-floor      a contrast: scale_mode="floor" (OCP's rule, which saturates a block's top
+                elements where rceil never does; the recipe paper reports it worse)
   mx-e5m2-fwd   a contrast that should be worse: E5M2 elements (2 mantissa bits) in the forward
+  mx-broken     a deliberately broken recipe, so that the benchmark must separate it: mx-noattn
+                with every linear operand's block scale one binade too small, injected into the
+                CPU kernels of mxcompile's quantize ops (`broken_scales`): elements of the top
+                half of each block's range saturate at the format's max
   torchao-mx    torchao's MXFP8 training recipe with its emulated kernels (fp32 master weights,
                 no autocast: torchao 0.18 fails under bf16 autocast); its one-line failure
                 reason is reported instead when it cannot run here
@@ -30,6 +36,7 @@ with other --variants or --seeds (e.g. one process per variant and seed) and wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,7 +44,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -46,6 +53,11 @@ from scipy import stats
 from mxcompile.examples.data import load_corpus, train_val_split
 from mxcompile.examples.gpt import GPT, GPT_SIZES, GPTConfig
 from mxcompile.examples.train import evaluate, train
+from mxcompile.numerics import blocks_and_scales, elem_format, scale_bytes_from_amax, scale_mode_named
+from mxcompile.numerics.formats import E8M0_NAN
+from mxcompile.numerics.rounding import fake_quantize_blocks
+from mxcompile.numerics.scales import inverse_scale_fp32_from_bytes
+from mxcompile.ops.quantize import fake_quantize_op, quantize_op
 
 CONFIDENCE = 0.95
 EVAL_SEED = 1234  # fixed: every variant and seed is scored on the same validation batches
@@ -55,7 +67,7 @@ TORCHAO = "torchao"
 RESULTS_NAME = "convergence.json"
 PLOT_NAME = "convergence.png"
 # Settings that must agree between result files before --merge combines them.
-MERGE_KEYS = ("size", "d_model", "layers", "heads", "seq_len", "steps", "batch_size", "lr",
+MERGE_KEYS = ("size", "d_model", "layers", "heads", "seq_len", "steps", "batch_size", "lr", "grad_clip",
               "texts", "eval_every", "eval_batches", "precision")
 
 
@@ -67,19 +79,26 @@ class Variant:
     name: str
     backend: str
     options: Mapping[str, Any] | None = None
+    broken_scales: bool = False  # run under `broken_scales` (a fault injection; mxfp8 only)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a variant needs a name")
         if self.backend == TORCHAO and self.options is not None:
             raise ValueError(f"variant {self.name!r}: torchao takes no compile options")
+        if self.broken_scales and self.backend != "mxfp8":
+            raise ValueError(f"variant {self.name!r}: broken_scales needs the mxfp8 backend")
 
 
 VARIANTS = (
     Variant(BASELINE, "inductor"),
     Variant("mxfp8", "mxfp8"),
     Variant("mx-noattn", "mxfp8", {"attention": "off"}),
+    Variant("mx-floor", "mxfp8", {"scale_mode": "floor"}),
     Variant("mx-e5m2-fwd", "mxfp8", {"forward_elem": "e5m2"}),
+    # attention off: the MX attention op rounds inside its own kernels, not through the
+    # quantize ops that broken_scales replaces.
+    Variant("mx-broken", "mxfp8", {"attention": "off"}, broken_scales=True),
     Variant("torchao-mx", TORCHAO),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
@@ -88,6 +107,50 @@ QUICK_VARIANTS = (BASELINE, "mxfp8")
 
 class TorchaoUnavailable(RuntimeError):
     """torchao's MX recipe cannot run here; the message is the one-line reason."""
+
+
+def broken_fake_quantize(x: torch.Tensor, axis: int, elem: str, scale_mode: str, block_size: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """`mxcompile::fake_quantize` with each block's scale one binade too small: the elements are
+    x / (scale / 2), rounded and saturated at the format's max, times scale / 2. Written from
+    the numerics core (the correct scales, then halved), in fp32."""
+    axis %= x.ndim
+    fmt = elem_format(elem)
+    blocks, _amax, scale, inverse = blocks_and_scales(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
+    rounded = fake_quantize_blocks(blocks, scale * 0.5, inverse * 2.0, fmt).reshape(x.shape)
+    return torch.empty_like(x, dtype=dtype).copy_(rounded)
+
+
+def broken_quantize(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mxcompile::quantize` with each block's scale byte one less (scale one binade too small):
+    the correct scale bytes minus 1 (0 stays 0, NaN stays NaN), the elements x / (scale / 2)
+    saturated at the format's max."""
+    axis %= x.ndim
+    fmt = elem_format(elem)
+    blocks, amax, scale, inverse = blocks_and_scales(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
+    correct = scale_bytes_from_amax(amax, fmt, scale_mode_named(scale_mode))
+    scale_bytes = torch.where(correct == E8M0_NAN, correct, (correct - 1).clamp(min=0))
+    elements = (blocks * inverse_scale_fp32_from_bytes(scale_bytes)).clamp(-fmt.max_normal, fmt.max_normal)
+    data = torch.empty_like(x, dtype=fmt.dtype).copy_(elements.reshape(x.shape))
+    return data, scale_bytes.squeeze(axis + 1).to(torch.uint8)
+
+
+@contextlib.contextmanager
+def broken_scales() -> Iterator[None]:
+    """Within the block, mxcompile's quantize ops run `broken_quantize` and
+    `broken_fake_quantize` on CPU: every MX linear GEMM of a compiled graph (the CPU lowering
+    keeps these ops opaque, so their kernels are looked up at each call) rounds its operands
+    with scales one binade too small. The ops' own kernels are restored on exit."""
+    ops = ((quantize_op, broken_quantize), (fake_quantize_op, broken_fake_quantize))
+    saved = [(op, op._backend_fns["cpu"]) for op, _ in ops]
+    try:
+        for op, kernel in ops:
+            op.register_kernel("cpu")(kernel)
+        yield
+    finally:
+        for op, kernel in saved:
+            op.register_kernel("cpu")(kernel)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -142,9 +205,10 @@ def run_seed(variant: Variant, seed: int, args: argparse.Namespace, train_data: 
             curve.append(validation_loss(model, scorer, args, val_data))
 
     started = time.perf_counter()
-    losses = train(model, args.steps, args.batch_size, config.block_size, lr=args.lr, seed=seed,
-                   compile_backend=backend, compile_options=options, autocast_bf16=autocast,
-                   progress=progress, data=train_data)
+    with broken_scales() if variant.broken_scales else contextlib.nullcontext():
+        losses = train(model, args.steps, args.batch_size, config.block_size, lr=args.lr, seed=seed,
+                       compile_backend=backend, compile_options=options, autocast_bf16=autocast,
+                       progress=progress, data=train_data, max_grad_norm=args.grad_clip)
     return {"seed": seed, "val": curve, "train": losses, "seconds": time.perf_counter() - started}
 
 
@@ -238,6 +302,11 @@ def summarize(runs: Mapping[str, dict]) -> dict:
             "paired_gap_percent": None if paired is None else
             {k: 100.0 * paired[k] / base_mean for k in ("diff", "low", "high")},
             "within_baseline_spread": abs(statistics.fmean(final) - base_mean) <= base_std,
+            # Paired: the interval excludes 0 (the variant is told apart from the baseline),
+            # and its half-width, the smallest gap these seeds could tell from 0.
+            "separated": None if paired is None else not paired["low"] <= 0.0 <= paired["high"],
+            "resolvable_percent": None if paired is None else
+            100.0 * (paired["high"] - paired["low"]) / 2.0 / base_mean,
             "seconds_per_run": statistics.fmean(r["seconds"] for r in entry["runs"]),
         }
     return summary
@@ -267,6 +336,25 @@ def print_table(results: Mapping[str, Any]) -> None:
               f"{row['seconds_per_run']:7.0f}")
     if summary.get("mxfp8", {}).get("status") == "ok":
         print(spread_statement(summary, base))
+    for line in separation_statements(summary, base):
+        print(line)
+
+
+def separation_statements(summary: Mapping[str, Any], base: str) -> list[str]:
+    """Per variant, whether its paired 95% interval excludes 0; then the smallest gap the setup
+    resolves: the half-width of a paired interval, for mxfp8 and over all variants."""
+    rows = {name: row for name, row in summary.items()
+            if name != BASELINE and row["status"] == "ok" and row["paired_gap"] is not None}
+    lines = [f"{name:12} paired gap {row['paired_gap_percent']['diff']:+.2f}%: "
+             f"{'separated from' if row['separated'] else 'not separated from'} {base} "
+             f"(interval {'excludes' if row['separated'] else 'contains'} 0)" for name, row in rows.items()]
+    if rows:
+        widths = {name: row["resolvable_percent"] for name, row in rows.items()}
+        mx = f"mxfp8 ±{widths['mxfp8']:.2f}%, " if "mxfp8" in widths else ""
+        lines.append(f"smallest resolvable gap (half-width of the paired 95% interval, seeds "
+                     f"{rows[next(iter(rows))]['paired_gap']['seeds']}): {mx}"
+                     f"over the variants {min(widths.values()):.2f}% to {max(widths.values()):.2f}%")
+    return lines
 
 
 def spread_statement(summary: Mapping[str, Any], base: str) -> str:
@@ -302,6 +390,7 @@ def plot(results: Mapping[str, Any]) -> Figure:
 def settings_of(args: argparse.Namespace) -> dict:
     return {"size": args.size, "d_model": args.d_model, "layers": args.layers, "heads": args.heads,
             "seq_len": args.seq_len, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+            "grad_clip": args.grad_clip,
             "texts": args.texts, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
             "precision": args.precision, "seeds": list(args.seeds), "threads": torch.get_num_threads(),
             "config": dataclasses.asdict(model_config(args))}
@@ -314,7 +403,7 @@ def merge(paths: Sequence[Path]) -> dict:
     settings = dict(loaded[0]["settings"])
     pooled: dict[str, dict] = {}
     for path, result in zip(paths, loaded):
-        differ = [k for k in MERGE_KEYS if result["settings"][k] != settings[k]]
+        differ = [k for k in MERGE_KEYS if result["settings"].get(k) != settings.get(k)]
         if differ:
             raise ValueError(f"{path} was run with other settings ({', '.join(differ)}); "
                              "merge only parts of the same command run with other --variants or --seeds")
@@ -344,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--grad-clip", type=float, default=None,
+                        help="clip the global gradient norm to this value (None: no clipping)")
     parser.add_argument("--texts", type=int, default=20, help="number of corpus texts to load")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-batches", type=int, default=16)

@@ -87,6 +87,12 @@ def test_quick_summary_is_computed_from_the_seeds(quick) -> None:
             assert gap["high"] == pytest.approx(expected.high, rel=1e-9)
         assert row["gap_percent"]["diff"] == pytest.approx(100 * gap["diff"] / base.mean(), rel=1e-12)
         assert row["within_baseline_spread"] == bool(abs(final.mean() - base.mean()) <= base.std(ddof=1))
+        # The paired verdict and the resolvable gap, from the per-seed differences (same seeds).
+        diffs = final - base
+        low, high = stats.t.interval(0.95, len(diffs) - 1, loc=diffs.mean(), scale=stats.sem(diffs)) \
+            if diffs.std() > 0 else (diffs.mean(), diffs.mean())
+        assert row["separated"] == bool(not low <= 0.0 <= high)
+        assert row["resolvable_percent"] == pytest.approx(100 * (high - low) / 2 / base.mean(), rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.slow
@@ -99,6 +105,11 @@ def test_quick_table_prints_each_variant_and_the_spread_verdict(quick) -> None:
         assert f"[{row['gap']['low']:+.4f}, {row['gap']['high']:+.4f}]" in line
     where = "within" if results["summary"]["mxfp8"]["within_baseline_spread"] else "outside"
     assert f"mxfp8's mean final loss lies {where} bf16's seed-to-seed spread" in stdout
+    mx = results["summary"]["mxfp8"]
+    verdict = "separated from" if mx["separated"] else "not separated from"
+    assert f"mxfp8        paired gap {mx['paired_gap_percent']['diff']:+.2f}%: {verdict} bf16" in stdout
+    assert f"smallest resolvable gap (half-width of the paired 95% interval, seeds {QUICK_SEEDS}): " \
+        f"mxfp8 ±{mx['resolvable_percent']:.2f}%" in stdout
 
 
 @pytest.mark.slow
@@ -155,9 +166,10 @@ def test_every_mxfp8_variant_is_a_valid_config() -> None:
 
     module = _module()
     mx_variants = [v for v in module.VARIANTS if v.backend == "mxfp8"]
-    assert {v.name for v in mx_variants} >= {"mxfp8", "mx-noattn", "mx-e5m2-fwd"}
+    assert {v.name for v in mx_variants} >= {"mxfp8", "mx-noattn", "mx-floor", "mx-e5m2-fwd", "mx-broken"}
     configs = {v.name: MXConfig.from_options(v.options) for v in mx_variants}
-    assert len(set(map(repr, configs.values()))) == len(configs)
+    recipes = {(repr(configs[v.name]), v.broken_scales) for v in mx_variants}
+    assert len(recipes) == len(configs)
     assert configs["mxfp8"] == MXConfig()
 
 
@@ -191,3 +203,39 @@ def test_a_repeated_seed_is_refused() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "give each seed once" in result.stderr
+
+
+def test_broken_fake_quantize_halves_each_block_scale_and_saturates() -> None:
+    """Written from the definition: a block of 32 with amax 1.0 has the rceil scale
+    2**ceil(log2(1/448)) = 2**-8; one binade too small it is 2**-9, so the element grid is
+    2**-9 times the e4m3 values and everything above 448 * 2**-9 = 0.875 saturates there."""
+    conv = _module()
+    import torch
+
+    block = torch.zeros(1, 32)
+    block[0, :4] = torch.tensor([1.0, -0.9, 0.5, 2.0**-12])
+    out = conv.broken_fake_quantize(block, -1, "e4m3", "rceil", 32, torch.float32)
+    assert out[0, :4].tolist() == [0.875, -0.875, 0.5, 2.0**-12]
+    data, scale = conv.broken_quantize(block, -1, "e4m3", "rceil", 32)
+    assert scale.tolist() == [[127 - 9]]
+    assert (data.float() * 2.0**-9)[0, :4].tolist() == [0.875, -0.875, 0.5, 2.0**-12]
+
+
+def test_broken_scales_reach_the_compiled_graph_and_are_undone() -> None:
+    """Inside `broken_scales` the mxfp8-compiled linear's output is the GEMM of the broken
+    roundings of both operands; after it, the compiled graph rounds correctly again."""
+    conv = _module()
+    import torch
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(32, 64) * 3
+    compiled = torch.compile(linear, backend="mxfp8", options={"attention": "off"})
+    correct = compiled(x).detach()
+    with conv.broken_scales():
+        broken = compiled(x).detach()
+    again = compiled(x).detach()
+    rounded = [conv.broken_fake_quantize(t, -1, "e4m3", "rceil", 32, torch.float32) for t in (x, linear.weight)]
+    torch.testing.assert_close(broken, rounded[0] @ rounded[1].T, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(broken, correct)
+    assert torch.equal(again, correct)
