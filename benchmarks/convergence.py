@@ -44,7 +44,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -54,7 +54,7 @@ from mxcompile.examples.data import load_corpus, train_val_split
 from mxcompile.examples.gpt import GPT, GPT_SIZES, GPTConfig
 from mxcompile.examples.train import evaluate, train
 from mxcompile.numerics import blocks_and_scales, elem_format, scale_bytes_from_amax, scale_mode_named
-from mxcompile.numerics.formats import E8M0_NAN
+from mxcompile.numerics.formats import E8M0_BIAS, E8M0_NAN
 from mxcompile.numerics.rounding import fake_quantize_blocks
 from mxcompile.numerics.scales import inverse_scale_fp32_from_bytes
 from mxcompile.ops.quantize import fake_quantize_op, quantize_op
@@ -117,8 +117,14 @@ def broken_fake_quantize(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     axis %= x.ndim
     fmt = elem_format(elem)
     blocks, _amax, scale, inverse = blocks_and_scales(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
-    rounded = fake_quantize_blocks(blocks, scale * 0.5, inverse * 2.0, fmt).reshape(x.shape)
+    # E8M0's least scale (2**-127, e.g. an all-zero block) has no binade below it: kept.
+    least = scale <= E8M0_LEAST_SCALE
+    rounded = fake_quantize_blocks(blocks, torch.where(least, scale, scale * 0.5),
+                                   torch.where(least, inverse, inverse * 2.0), fmt).reshape(x.shape)
     return torch.empty_like(x, dtype=dtype).copy_(rounded)
+
+
+E8M0_LEAST_SCALE = 2.0**-E8M0_BIAS
 
 
 def broken_quantize(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
@@ -212,27 +218,32 @@ def run_seed(variant: Variant, seed: int, args: argparse.Namespace, train_data: 
     return {"seed": seed, "val": curve, "train": losses, "seconds": time.perf_counter() - started}
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Every selected variant over every seed. A torchao failure is recorded as its reason."""
+def run(args: argparse.Namespace, on_seed: Callable[[dict], None] | None = None) -> dict:
+    """Every selected variant over every seed, seed by seed (every variant's seed 0, then every
+    variant's seed 1, ...), so that a run stopped early holds whole seeds of every variant;
+    `on_seed(runs)` after each (e.g. to save them). A torchao failure is recorded as its reason."""
     train_data, val_data = train_val_split(load_corpus(args.texts))
-    runs: dict[str, dict] = {}
-    for variant in VARIANTS:
-        if variant.name not in args.variants:
-            continue
-        per_seed = []
-        try:
-            for seed in args.seeds:
-                per_seed.append(run_seed(variant, seed, args, train_data, val_data))
-                print(f"{variant.name} seed {seed}: val {per_seed[-1]['val'][-1]:.4f} "
-                      f"({per_seed[-1]['seconds']:.0f} s)", flush=True)
-            runs[variant.name] = {"status": "ok", "runs": per_seed}
-        except (TorchaoUnavailable, RuntimeError) as err:
-            if variant.backend != TORCHAO:
-                raise
-            # torchao's CPU path is a prototype: report its reason in the table, don't hide it.
-            runs[variant.name] = {"status": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}",
-                                  "runs": per_seed}
-        torch._dynamo.reset()
+    selected = [v for v in VARIANTS if v.name in args.variants]
+    runs: dict[str, dict] = {v.name: {"status": "ok", "runs": []} for v in selected}
+    for seed in args.seeds:
+        for variant in selected:
+            entry = runs[variant.name]
+            if entry["status"] != "ok":
+                continue
+            try:
+                entry["runs"].append(run_seed(variant, seed, args, train_data, val_data))
+            except (TorchaoUnavailable, RuntimeError) as err:
+                if variant.backend != TORCHAO:
+                    raise
+                # torchao's CPU path is a prototype: report its reason in the table, don't hide it.
+                entry["status"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+                continue
+            finally:
+                torch._dynamo.reset()
+            print(f"{variant.name} seed {seed}: val {entry['runs'][-1]['val'][-1]:.4f} "
+                  f"({entry['runs'][-1]['seconds']:.0f} s)", flush=True)
+            if on_seed is not None:
+                on_seed(runs)
     return runs
 
 
@@ -285,6 +296,10 @@ def summarize(runs: Mapping[str, dict]) -> dict:
         if entry["status"] != "ok":
             summary[name] = {"status": entry["status"]}
             continue
+        diverged = [r["seed"] for r in entry["runs"] if not math.isfinite(r["val"][-1])]
+        if diverged:  # a recipe that diverges is a result, not a crash of the statistics
+            summary[name] = {"status": f"diverged: non-finite validation loss at seeds {diverged}"}
+            continue
         curves = [r["val"] for r in entry["runs"]]
         final = [c[-1] for c in curves]
         gap = welch_interval(final, base_final)
@@ -325,7 +340,7 @@ def print_table(results: Mapping[str, Any]) -> None:
           f"{'gap %':>24} {'paired gap % (same seeds)':>28} {'s/run':>7}")
     for name, row in summary.items():
         if row["status"] != "ok":
-            print(f"{name:12} not run: {row['status']}")
+            print(f"{name:12} {row['status']}")
             continue
         gap, pct, paired = row["gap"], row["gap_percent"], row["paired_gap_percent"]
         paired_text = "n/a" if paired is None else \
@@ -473,7 +488,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.merge is not None:
         results = merge(args.merge)
     else:
-        results = {"settings": settings_of(args), "runs": run(args)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        settings = settings_of(args)
+
+        def save(runs: dict) -> None:  # each finished seed, so that a stopped run keeps them
+            done = {name: entry for name, entry in runs.items() if entry["runs"] or entry["status"] != "ok"}
+            seeds = sorted({r["seed"] for entry in done.values() for r in entry["runs"]})
+            part = {"settings": {**settings, "seeds": seeds, "wall_seconds": time.perf_counter() - started},
+                    "runs": done}
+            (args.out / RESULTS_NAME).write_text(json.dumps(part, indent=1))
+
+        results = {"settings": settings, "runs": run(args, on_seed=save)}
         results["settings"]["wall_seconds"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     if BASELINE not in results["runs"] or len(results["settings"]["seeds"]) < 2:

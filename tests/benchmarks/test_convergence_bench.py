@@ -216,6 +216,9 @@ def test_broken_fake_quantize_halves_each_block_scale_and_saturates() -> None:
     block[0, :4] = torch.tensor([1.0, -0.9, 0.5, 2.0**-12])
     out = conv.broken_fake_quantize(block, -1, "e4m3", "rceil", 32, torch.float32)
     assert out[0, :4].tolist() == [0.875, -0.875, 0.5, 2.0**-12]
+    # A block at E8M0's least scale (all zeros) has no binade below: kept, not NaN (0 * inf).
+    zeros = conv.broken_fake_quantize(torch.zeros(2, 32), -1, "e4m3", "rceil", 32, torch.float32)
+    assert torch.equal(zeros, torch.zeros(2, 32))
     data, scale = conv.broken_quantize(block, -1, "e4m3", "rceil", 32)
     assert scale.tolist() == [[127 - 9]]
     assert (data.float() * 2.0**-9)[0, :4].tolist() == [0.875, -0.875, 0.5, 2.0**-12]
@@ -239,3 +242,13 @@ def test_broken_scales_reach_the_compiled_graph_and_are_undone() -> None:
     torch.testing.assert_close(broken, rounded[0] @ rounded[1].T, rtol=1e-5, atol=1e-5)
     assert not torch.equal(broken, correct)
     assert torch.equal(again, correct)
+
+
+def test_a_diverged_variant_is_reported_not_summarized() -> None:
+    module = _module()
+    runs = {"baseline": {"status": "ok", "runs": [{"seed": k, "val": [2.0 + k / 100], "seconds": 1.0} for k in (0, 1)]},
+            "mx-broken": {"status": "ok", "runs": [{"seed": 0, "val": [float("nan")], "seconds": 1.0},
+                                                   {"seed": 1, "val": [2.5], "seconds": 1.0}]}}
+    summary = module.summarize(runs)
+    assert summary["mx-broken"] == {"status": "diverged: non-finite validation loss at seeds [0]"}
+    assert summary["baseline"]["status"] == "ok"
