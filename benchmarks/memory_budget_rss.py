@@ -36,7 +36,8 @@ step and then runs ``--rounds`` rounds, each row once per round in a rotated ord
 a row's median step time; ``+ms``: the median over rounds of its time minus the same round's
 no-budget step of the same backend (a paired difference), ``[q1, q3]`` its quartiles;
 ``est ms``: the plan's estimated recompute time; ``+/est``: their ratio (the target: within
-2x, i.e. in [0.5, 2]).
+2x, i.e. in [0.5, 2]). ``--timing-only`` skips the peak processes (and the matched rows, which
+need torch's peaks): the plans and the step times alone, for a quiet machine.
 
 The results go to ``--out`` as JSON (every number of the tables, with the command line, the
 torch version, the thread count and the load average before the run).
@@ -201,14 +202,19 @@ def plan(row: Row, model: str, budget: Any, batch_size: int) -> Row:
 
 
 def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fractions: tuple[float, ...],
-              batch_size: int, warmup: int, steps: int, rounds: int, log: Any) -> list[Row]:
+              batch_size: int, warmup: int, steps: int, rounds: int, log: Any,
+              timing_only: bool = False) -> list[Row]:
+    """The rows of one model: each row's peaks in a fresh process (unless ``timing_only``),
+    then every row's step time in one round-robin process. Matched rows need torch's measured
+    peaks, so ``timing_only`` has none."""
     common = {"model": model, "batch_size": batch_size, "lower": lower}
     rows: list[Row] = []
     measured: list[tuple[Row, str, dict[str, Any]]] = []
 
     def run(row: Row, factory: str, kwargs: dict[str, Any]) -> Row:
         started = time.perf_counter()
-        measure(row, factory, kwargs, warmup=warmup, steps=steps)
+        if not timing_only:
+            measure(row, factory, kwargs, warmup=warmup, steps=steps)
         log(f"  {model} {lower} {row.backend} {row.budget}: {time.perf_counter() - started:.0f} s"
             + (f" ({row.error})" if row.error else ""))
         rows.append(row)
@@ -224,7 +230,7 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
             plan(row, model, fraction, batch_size)
         run(row, MX_FACTORY, {**common, "memory_budget": fraction})
     held = next((r.held_bytes for r in rows if r.held_bytes is not None), None)
-    for fraction in torch_fractions:
+    for fraction in () if timing_only else torch_fractions:
         source = next(r for r in rows if r.backend == "torch" and r.budget == f"{fraction:g}")
         row = Row("matched", f"{fraction:g}")
         if source.tensor_bytes is None or held is None:
@@ -324,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, default=2, help="steps before the one whose peak is measured")
     parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds of step timing")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="no peak measurements (and no matched rows): the plans and the step times only")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     fractions = tuple(sorted(set(args.fractions), reverse=True))
@@ -338,12 +346,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"threads, torch {torch.__version__}, load {load:.1f} before")
     results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "torch": torch.__version__,
                                "threads": torch.get_num_threads(), "load_before": load, "batch": args.batch,
-                               "rounds": args.rounds, "runs": {}}
+                               "rounds": args.rounds, "timing_only": args.timing_only, "runs": {}}
     for lower in args.lower:
         for model in args.models:
             rows = run_model(model, lower=lower, fractions=fractions, torch_fractions=torch_fractions,
                              batch_size=args.batch, warmup=args.warmup, steps=args.steps,
-                             rounds=args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
+                             rounds=args.rounds, timing_only=args.timing_only,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
             verdict = verdicts(rows)
             print(f"\n== {model}, {lower} ==")
             print("\n".join(table(rows)))
