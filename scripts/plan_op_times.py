@@ -1,0 +1,60 @@
+"""Where a memory plan's extra step time goes: torch.profiler's per-op self CPU time of one
+model's step without a budget and with one, averaged over --steps steps after two warm-up
+steps, and their difference, largest first.
+
+    python scripts/plan_op_times.py --model gpt-small --budget 0.5
+
+Issue 37 used it to find why the small GPT's plans cost ~40 ms per step against a recompute
+estimate of 10-22 ms (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mxcompile.config import MemoryBudget
+from mxcompile.measure.steps import MODELS, build_model
+
+
+def op_times(model: str, batch_size: int, budget: float | None, steps: int) -> dict[str, tuple[float, float]]:
+    """op name -> (calls per step, self CPU ms per step) of a step compiled with this budget."""
+    module, args = build_model(model, batch_size)
+    options = {} if budget is None else {"memory_budget": MemoryBudget.of_fraction(budget)}
+    compiled = torch.compile(module, backend="mxfp8", options=options)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        compiled(*args).backward()
+
+    step()
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {e.key: (e.count / steps, e.self_cpu_time_total / steps / 1e3) for e in prof.key_averages()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small", choices=sorted(MODELS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    unplanned = op_times(args.model, args.batch, None, args.steps)
+    torch._dynamo.reset()
+    planned = op_times(args.model, args.batch, args.budget, args.steps)
+    rows = sorted(((planned.get(k, (0, 0.0))[1] - unplanned.get(k, (0, 0.0))[1], k) for k in {*unplanned, *planned}
+                   if not k.startswith("## Call CompiledFxGraph")), reverse=True)
+    print(f"{args.model}, batch {args.batch}: budget {args.budget} against none, per step over {args.steps} steps")
+    for delta, key in rows[:args.top]:
+        (n0, t0), (n1, t1) = unplanned.get(key, (0, 0.0)), planned.get(key, (0, 0.0))
+        print(f"{delta:+8.2f} ms  {key[:48]:48} none {n0:5.0f} calls {t0:7.2f} ms   planned {n1:5.0f} calls {t1:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
