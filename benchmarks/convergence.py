@@ -134,7 +134,7 @@ def broken_quantize(x: torch.Tensor, axis: int, elem: str, scale_mode: str,
     saturated at the format's max."""
     axis %= x.ndim
     fmt = elem_format(elem)
-    blocks, amax, scale, inverse = blocks_and_scales(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
+    blocks, amax, _scale, _inverse = blocks_and_scales(x.float(), axis, fmt, scale_mode_named(scale_mode), block_size)
     correct = scale_bytes_from_amax(amax, fmt, scale_mode_named(scale_mode))
     scale_bytes = torch.where(correct == E8M0_NAN, correct, (correct - 1).clamp(min=0))
     elements = (blocks * inverse_scale_fp32_from_bytes(scale_bytes)).clamp(-fmt.max_normal, fmt.max_normal)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -103,21 +104,15 @@ def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, step
 TIMING_MARKER = "MEMORY_BUDGET_RSS_TIMING "
 # The child of time_round_robin: builds every step, warms each, then times rounds of all.
 _ROUND_ROBIN_CHILD = f"""
-import json, sys, time
+import json, sys
 from mxcompile.measure.fresh_process import resolve_factory
+from mxcompile.measure.timing import time_interleaved
 spec = json.loads(sys.argv[1])
 steps = [resolve_factory(s["factory"])(**s["kwargs"]) for s in spec["steps"]]
 for step in steps:
     for _ in range(spec["warmup"]):
         step()
-times = [[] for _ in steps]
-for r in range(spec["rounds"]):
-    for k in range(len(steps)):
-        i = (k + r) % len(steps)
-        started = time.perf_counter()
-        steps[i]()
-        times[i].append(time.perf_counter() - started)
-print({TIMING_MARKER!r} + json.dumps(times))
+print({TIMING_MARKER!r} + json.dumps(time_interleaved(steps, spec["rounds"])))
 """
 
 
@@ -143,16 +138,12 @@ def time_round_robin(specs: list[tuple[str, dict[str, Any]]], *, warmup: int, ro
 
 def paired_extra(times: list[float], base: list[float]) -> tuple[float, float, float]:
     """Quartiles (q1, median, q3) over rounds of times[r] - base[r]."""
-    import statistics
-
     q1, median, q3 = statistics.quantiles([t - b for t, b in zip(times, base)], n=4, method="inclusive")
     return q1, median, q3
 
 
 def time_rows(rows: list[tuple[Row, str, dict[str, Any]]], *, warmup: int, rounds: int) -> None:
     """Fill step_s and over_s of every row that measured (one round-robin child for all)."""
-    import statistics
-
     timed = [(row, factory, kwargs) for row, factory, kwargs in rows if not row.error]
     try:
         times = time_round_robin([(f, k) for _, f, k in timed], warmup=warmup, rounds=rounds)

@@ -57,14 +57,10 @@ def compiled_step(model: str, fraction: float | None, *, batch_size: int) -> tup
 def fastest_interleaved(steps: dict[Any, Callable[[], None]], repeats: int) -> dict[Any, float]:
     """The fastest time of each step over ``repeats`` rounds that run every step once, in turn:
     a slow spell of a shared machine then hits all of them, not one."""
-    clock = _clock()
-    best = {key: float("inf") for key in steps}
-    for _ in range(repeats):
-        for key, step in steps.items():
-            started = clock()
-            step()
-            best[key] = min(best[key], clock() - started)
-    return best
+    from mxcompile.measure.timing import time_interleaved
+
+    times = time_interleaved(list(steps.values()), repeats, clock=_clock())
+    return {key: min(step_times) for key, step_times in zip(steps, times)}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -15,20 +15,12 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mxcompile.config import MemoryBudget
-from mxcompile.measure.steps import MODELS, build_model
+from mxcompile.measure.steps import MODELS, mxfp8_budget_step
 
 
 def op_times(model: str, batch_size: int, budget: float | None, steps: int) -> dict[str, tuple[float, float]]:
     """op name -> (calls per step, self CPU ms per step) of a step compiled with this budget."""
-    module, args = build_model(model, batch_size)
-    options = {} if budget is None else {"memory_budget": MemoryBudget.of_fraction(budget)}
-    compiled = torch.compile(module, backend="mxfp8", options=options)
-
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        compiled(*args).backward()
-
+    step = mxfp8_budget_step(model, memory_budget=budget, batch_size=batch_size)
     step()
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

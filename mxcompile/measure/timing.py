@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..examples._common import check_positive_int
 from .memory import Step
@@ -38,6 +38,23 @@ def time_step(step: Step, *, warmup_steps: int = 1, time_steps: int = 5,
         times.append(time.perf_counter() - t0)
         notify("steps", done, time_steps)
     return {"first_s": first, "warmup_s": warm, "median_s": statistics.median(times), "times_s": times}
+
+
+def time_interleaved(steps: Sequence[Step], rounds: int,
+                     clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
+    """Times of each of ``steps`` over ``rounds`` rounds, one list per step in round order.
+    Every round runs each step once, the order rotated by one per round, so that a slow spell
+    of a shared machine hits every step alike and cancels in same-round differences, and no
+    step always runs after the same one."""
+    check_positive_int("rounds", rounds)
+    times: list[list[float]] = [[] for _ in steps]
+    for round_index in range(rounds):
+        for k in range(len(steps)):
+            index = (k + round_index) % len(steps)
+            started = clock()
+            steps[index]()
+            times[index].append(clock() - started)
+    return times
 
 
 def machine_load() -> tuple[float | None, int | None]:

@@ -49,3 +49,28 @@ def test_machine_load_reads_the_load_and_the_affinity(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(timing.os, "getloadavg", unavailable)
     assert machine_load() == (None, 3)
+
+
+def test_time_interleaved_rotates_the_order_and_times_each_step() -> None:
+    """Round r starts at step r (mod n); each step's time is what the clock advanced while it ran."""
+    order: list[int] = []
+    costs = {0: 1, 1: 2, 2: 5}  # clock ticks each step advances beyond the one read at its start
+    now = [0]
+
+    def clock() -> float:
+        return float(now[0])
+
+    def make(index: int):
+        def step() -> None:
+            order.append(index)
+            now[0] += costs[index]
+        return step
+
+    times = timing.time_interleaved([make(0), make(1), make(2)], 4, clock=clock)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert times == [[1.0] * 4, [2.0] * 4, [5.0] * 4]
+
+
+def test_time_interleaved_rejects_no_rounds() -> None:
+    with pytest.raises(ValueError, match="rounds"):
+        timing.time_interleaved([lambda: None], 0)
