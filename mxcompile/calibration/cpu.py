@@ -1,7 +1,7 @@
 """This CPU's :class:`~mxcompile.cost.profiles.DeviceProfile`, measured once and cached.
 
 :func:`measure_cpu_profile` times small fp32 and bf16 matmuls, a DRAM copy and the MX ops that
-run below the roofline on CPUs (the quantize op's compiled CPU kernel, the attention op), and
+run below the roofline on CPUs (the quantize op's compiled CPU kernel, the attention ops, per FLOP and per pass), and
 caches the profile on disk keyed by the CPU model and instruction set (a profile measured on
 another host, e.g. one with AVX512-BF16, priced bf16 GEMMs 150x too fast on an AVX2-only one).
 """
@@ -22,25 +22,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import MXConfig
 from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
-from ..cost.profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
-from ..ops.attention import ATTENTION
+from ..cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_reference import default_key_tile
 from ..ops.quantize import QUANTIZE
 
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 5  # bump when the measurement (or a measured op) changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 6  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
 CPU_LLC_COPIES = 4  # ...which is at least this many last-level caches, so DRAM is timed, not the cache
 LLC_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
 CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the quantize op timed for op_rates["quantize"]
-CPU_ATTENTION_SHAPE = (2, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for op_rates["attention"]
+CPU_ATTENTION_SHAPE = (8, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for the attention op_rates
+# The whole-batch time's least share priced as FLOPs: a noisy pass time never takes it all.
+ATTENTION_MIN_FLOP_SHARE = 0.5
 QUANTIZE_CHILD_TIMEOUT_S = 600.0  # the child compiles the op's CPU kernel graphs with Inductor
 CPU_WARMUP_S = 0.05  # warm-up calls first (thread pools, kernel JIT): the first calls run far slower
 CPU_MIN_MEASURE_S = 0.1  # then each measurement repeats until at least this long has passed...
@@ -138,17 +141,38 @@ def copy_bytes() -> int:
     return max(CPU_COPY_BYTES, CPU_LLC_COPIES * llc_bytes())
 
 
-def _attention_rate() -> float:
-    """FLOP/s of ``mxcompile::attention`` on this CPU: its eager (key-tiled, quantizing) torch
-    implementation is what Inductor calls on CPU (the op is opaque there), timed on
-    ``CPU_ATTENTION_SHAPE``, FLOPs counted by :func:`mxcompile.cost.graph_costs.attention_flops`."""
+def _attention_rates() -> dict[str, float]:
+    """``op_rates`` of the MX attention ops on this CPU: their eager (key-tiled, quantizing)
+    torch implementation is what Inductor calls on CPU (the ops are opaque there). The forward
+    and backward on ``CPU_ATTENTION_SHAPE`` are timed with the whole batch in one chunk and with
+    one element per chunk; the difference over the extra passes is the fixed time of a pass
+    (``ATTENTION_PASS_RATE``, omitted when one-element chunks are not slower), and the rest of
+    the whole-batch time prices the FLOPs (``ATTENTION_RATE``, counted by
+    :func:`mxcompile.cost.graph_costs.attention_flops`)."""
 
     config = MXConfig()
     batch, heads, seq, width = CPU_ATTENTION_SHAPE
+    key_tile = default_key_tile(config.block_size)
     q, k, v = (torch.randn(CPU_ATTENTION_SHAPE) for _ in range(3))
-    args = (q, k, v, None, False, width**-0.5, config.attention.value, config.forward_elem.value,
-            config.scale_mode.value, config.block_size, default_key_tile(config.block_size))
-    return attention_flops(batch, heads, seq, seq, width, width) / _best_over_threads(lambda: ATTENTION(*args))
+    common = (True, width**-0.5, config.attention.value, config.forward_elem.value)
+
+    def forward_and_backward_s(chunk: int) -> float:
+        forward = (q, k, v, None, *common, config.scale_mode.value, config.block_size, key_tile, chunk)
+        out, lse = ATTENTION(*forward)
+        backward = (torch.randn_like(out), q, k, v, None, out, lse, *common, config.grad_elem.value,
+                    config.scale_mode.value, config.block_size, key_tile, chunk)
+        return _best_over_threads(lambda: ATTENTION(*forward)) + _best_over_threads(lambda: ATTENTION_BACKWARD(*backward))
+
+    whole, single = forward_and_backward_s(batch), forward_and_backward_s(1)
+    tiles = math.ceil(seq / key_tile)
+    ops = 2  # the forward and the backward
+    pass_s = max(0.0, (single - whole) / (ops * (batch - 1) * tiles)) if batch > 1 else 0.0
+    flops = attention_flops(batch, heads, seq, seq, width, width) + attention_flops(
+        batch, heads, seq, seq, width, width, backward=True)
+    rates = {ATTENTION_RATE: flops / max(whole - ops * tiles * pass_s, ATTENTION_MIN_FLOP_SHARE * whole)}
+    if pass_s > 0:
+        rates[ATTENTION_PASS_RATE] = 1.0 / pass_s
+    return rates
 
 
 def quantize_rate_child() -> None:
@@ -202,6 +226,7 @@ def _measure_cpu() -> DeviceProfile:
     dst = torch.empty_like(src)
     copy_time = _best_over_threads(lambda: dst.copy_(src))
     flops["fp8"] = flops["bf16"]
+    attention_rates = _attention_rates()
     where = (
         f"measured by measure_cpu_profile() on {_cpu_model() or platform.machine()} "
         f"({torch.backends.cpu.get_cpu_capability()}; best over {thread_counts} torch threads, CPU time at 1)"
@@ -211,7 +236,7 @@ def _measure_cpu() -> DeviceProfile:
         peak_flops=flops,
         memory_bandwidth=COPY_TRAFFIC_FACTOR * nbytes / copy_time,
         host_link_bandwidth=nbytes / copy_time,
-        op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), ATTENTION_RATE: _attention_rate()},
+        op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), **attention_rates},
         native_fp8_gemm=False,
         sources={
             "peak_flops.fp32": f"{where}: best of repeated {n}x{n} fp32 torch.mm",
@@ -233,9 +258,14 @@ def _measure_cpu() -> DeviceProfile:
                 f"(fp32 {CPU_QUANTIZE_SHAPE}, mean over both axes), timed in a fresh process with its default threads"
             ),
             f"op_rates.{ATTENTION_RATE}": (
-                f"{where}: FLOP/s of the eager mxcompile::attention forward (the op Inductor calls on CPU) "
-                f"at (batch, heads, seq, head_dim) = {CPU_ATTENTION_SHAPE}"
+                f"{where}: FLOP/s of the eager mxcompile::attention forward and backward (the ops Inductor "
+                f"calls on CPU), causal, at (batch, heads, seq, head_dim) = {CPU_ATTENTION_SHAPE} in one batch "
+                f"chunk, less the time of its passes"
             ),
+            **({f"op_rates.{ATTENTION_PASS_RATE}": (
+                f"{where}: passes/s of the same ops: extra passes over extra time, one-element batch chunks "
+                f"against one chunk"
+            )} if ATTENTION_PASS_RATE in attention_rates else {}),
         },
     )
 
@@ -246,7 +276,8 @@ def measure_cpu_profile(*, refresh: bool = False) -> DeviceProfile:
     attention op (``op_rates``). Measured once (the quantize's compile makes that tens of
     seconds), then read from ``cache_dir()/cpu_profile.json`` while the machine fingerprint
     (architecture, CPU model, instruction set, core count, torch version and threads) matches;
-    ``refresh=True`` measures again."""
+    ``refresh=True`` measures again. It measures real tensors even when called under a
+    dispatch mode (the compile's FakeTensorMode)."""
     path = cache_dir() / CPU_PROFILE_FILE
     fingerprint = _fingerprint()
     if not refresh and path.is_file():
@@ -256,7 +287,11 @@ def measure_cpu_profile(*, refresh: bool = False) -> DeviceProfile:
                 return DeviceProfile.from_dict(data["profile"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or stale cache: measure again and overwrite it
-    profile = _measure_cpu()
+    # The backend asks for the profile while it compiles, under the graph's FakeTensorMode: there
+    # every tensor made and timed here would be fake, timing dispatch instead of the CPU (a
+    # 1.2 GB copy "ran" at 28 TB/s and bf16 GEMMs at a third of their rate; format 5's caches).
+    with _disable_current_modes():
+        profile = _measure_cpu()
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = json.dumps({"fingerprint": fingerprint, "profile": profile.to_dict()}, indent=2, sort_keys=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_profile.", suffix=".tmp")

@@ -29,7 +29,8 @@ Conventions
       dtype (:func:`mxcompile.ops.gemm_operand_dtype`) elsewhere (CPUs dequantize first). Where
       the profile measured an MX op's own rate (``DeviceProfile.op_rates``: the CPU's
       compiled quantize runs scalar element loops, its attention op is eager torch code), the
-      op takes at least its elements or FLOPs at that rate.
+      op takes at least its elements or FLOPs at that rate; the attention ops add the fixed
+      time of their passes (one per key tile of each batch chunk, :func:`attention_passes`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch.fx as fx
 
 from ..graph_meta import concrete_int, value_device
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
-from .profiles import ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from .profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
 MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
@@ -182,13 +183,42 @@ def workspace_bytes(node: fx.Node) -> int:
     if name == QUANTIZE_SCHEMA_NAME:
         return quantize_scratch_bytes(_numel(node.args[0]))
     if name in ATTENTION_WORKSPACE_COPIES:
-        index, query_copies, tile_copies = ATTENTION_WORKSPACE_COPIES[name]
-        query, key = _val(node.args[index]), _val(node.args[index + 1])
-        if query is None or query.ndim < 3 or key is None:
-            return 0
-        return attention_workspace_bytes(query, concrete_int(key.shape[-2]) or 1, _schema_argument(node, "key_tile"),
-                                         _schema_argument(node, "batch_chunk"), query_copies, tile_copies)
+        return attention_workspace_for_chunk(node, attention_batch_chunk(node))
     return aten_scratch_bytes(node)
+
+
+def _attention_query_key(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    name = _schema_name(node)
+    if name not in ATTENTION_WORKSPACE_COPIES:
+        return None
+    index = ATTENTION_WORKSPACE_COPIES[name][0]
+    query, key = _val(node.args[index]), _val(node.args[index + 1])
+    if query is None or key is None or query.ndim < 3:
+        return None
+    return query, key
+
+
+def attention_query(node: fx.Node) -> torch.Tensor | None:
+    """The query value of an MX attention op's node (forward or backward), else None."""
+    operands = _attention_query_key(node)
+    return None if operands is None else operands[0]
+
+
+def attention_batch_chunk(node: fx.Node) -> int:
+    """The `batch_chunk` argument of an MX attention op's node."""
+    return int(_schema_argument(node, "batch_chunk"))
+
+
+def attention_workspace_for_chunk(node: fx.Node, chunk: int) -> int:
+    """Scratch of an MX attention op's node were it run `chunk` batch elements per call (0 for
+    any other node): :func:`attention_workspace_bytes` with the op's copies."""
+    operands = _attention_query_key(node)
+    if operands is None:
+        return 0
+    query, key = operands
+    _, query_copies, tile_copies = ATTENTION_WORKSPACE_COPIES[_schema_name(node)]
+    return attention_workspace_bytes(query, concrete_int(key.shape[-2]) or 1, _schema_argument(node, "key_tile"),
+                                     chunk, query_copies, tile_copies)
 
 
 def _schema_argument(node: fx.Node, name: str) -> Any:
@@ -324,8 +354,28 @@ def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     if name == QUANTIZE_SCHEMA_NAME and QUANTIZE_RATE in profile.op_rates:
         measured = _numel(node.args[0]) / profile.op_rates[QUANTIZE_RATE]
     elif name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME) and ATTENTION_RATE in profile.op_rates:
-        measured = flops / profile.op_rates[ATTENTION_RATE]
+        measured = flops / profile.op_rates[ATTENTION_RATE] + attention_pass_time_s(node, profile)
     return max(compute, memory, measured)
+
+
+def attention_passes(node: fx.Node, chunk: int | None = None) -> int:
+    """Passes of an MX attention op's torch implementation: batch chunks times key tiles, with
+    its own `batch_chunk` argument or `chunk`; 0 for any other node."""
+    operands = _attention_query_key(node)
+    if operands is None:
+        return 0
+    query, key = operands
+    batch = concrete_int(query.shape[0]) or 1
+    chunk = chunk if chunk is not None else attention_batch_chunk(node)
+    key_length = concrete_int(key.shape[-2]) or 1
+    return math.ceil(batch / max(1, chunk)) * math.ceil(key_length / max(1, _schema_argument(node, "key_tile")))
+
+
+def attention_pass_time_s(node: fx.Node, profile: DeviceProfile, chunk: int | None = None) -> float:
+    """The fixed time of an MX attention op's passes (:func:`attention_passes`) at the profile's
+    measured pass rate; 0 where the profile has none (its attention runs as Triton kernels)."""
+    rate = profile.op_rates.get(ATTENTION_PASS_RATE)
+    return attention_passes(node, chunk) / rate if rate else 0.0
 
 
 def graph_time_s(graph: fx.Graph, profile: DeviceProfile) -> float:

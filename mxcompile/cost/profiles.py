@@ -27,7 +27,11 @@ from typing import Any, Mapping
 REQUIRED_DTYPES = ("fp32", "bf16", "fp8")
 QUANTIZE_RATE = "quantize"  # op_rates key: elements of input per second of mxcompile::quantize
 ATTENTION_RATE = "attention"  # op_rates key: FLOP/s of mxcompile::attention (graph_costs.attention_flops)
-OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE)
+# op_rates key: passes per second of the MX attention ops' torch implementation, one pass being
+# one key tile of one batch chunk (graph_costs.attention_passes): each pass runs a fixed list of
+# eager ops whatever the chunk, so one-element chunks cost time beyond their FLOPs.
+ATTENTION_PASS_RATE = "attention_pass"
+OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE, ATTENTION_PASS_RATE)
 
 TERA = 1e12
 PETA = 1e15
@@ -52,7 +56,8 @@ class DeviceProfile:
         sources: where each number comes from; keys "peak_flops.<dtype>", "memory_bandwidth",
             "host_link_bandwidth", "op_rates.<op>", one per number.
         op_rates: measured throughput of MX ops that run below the roofline on this device
-            (keys :data:`OP_RATE_KEYS`: "quantize" in input elements/s, "attention" in FLOP/s);
+            (keys :data:`OP_RATE_KEYS`: "quantize" in input elements/s, "attention" in FLOP/s,
+            "attention_pass" in passes/s);
             empty: price them by the roofline.
         native_fp8_gemm: whether the device multiplies FP8 in hardware. Without (CPUs), an MX
             GEMM runs as a GEMM of its dequantized operands, at their dtype's rate.

@@ -57,10 +57,11 @@ from torch.fx.operator_schemas import normalize_function
 
 from ..config import AttentionMode, MXConfig
 from ..numerics import ElemFormatName
-from ..ops.attention import ATTENTION, ATTENTION_BACKWARD, batch_chunk_for
+from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_checks import check_attention_inputs
 from ..ops.attention_reference import default_key_tile
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
+from .attention_chunks import unbudgeted_chunk
 from .graph_facts import (
     NodeBuilder,
     concrete_int,
@@ -391,14 +392,14 @@ _OUT, _LSE = object(), object()
 
 def _batch_chunk(q_node: fx.Node, config: MXConfig) -> int:
     """Batch elements the ops' torch implementation runs at a time: one under a memory budget
-    (the least scratch, which the planner counts per chunk), else `ops.attention.batch_chunk_for`
-    of the query's size (its hint, for a dynamic batch or length). A budget of 1.0 keeps
+    (the least scratch; the plan then widens it where the budget leaves room, see
+    `attention_chunks`), else `attention_chunks.unbudgeted_chunk`. A budget of 1.0 keeps
     everything, so it keeps the unbudgeted chunk too: its step is the step without a budget."""
     query = fake_value(q_node)
     budget = config.memory_budget
     if (budget is not None and not budget.keeps_everything) or query.ndim != 4:
         return 1
-    return batch_chunk_for(concrete_int(query.shape[0]) or 1, math.prod(concrete_int(s) or 1 for s in query.shape[1:]))
+    return unbudgeted_chunk(query)
 
 
 def _op_arguments(site: FusedSite, config: MXConfig) -> _OpArguments:

@@ -18,7 +18,9 @@ Flow (:func:`plan_and_partition`, the pipeline's PARTITION_STAGE, run by ``backe
    a keep extension of a saved input that the plan had as transient); if it overshoots the
    budget, plan again with the target lowered by the overshoot (at most ``MAX_PLAN_ROUNDS``
    times) and keep the rewrite with the lowest peak;
-5. for offloaded tensors, wrap the saved value in ``mxcompile::offload`` (forward, after its
+5. give each MX attention op the largest batch chunk whose scratch fits the room the budget
+   leaves at its step (:mod:`.attention_chunks`; the rewrite gave them one element per call);
+6. for offloaded tensors, wrap the saved value in ``mxcompile::offload`` (forward, after its
    last forward use) and ``mxcompile::reload`` (backward, before its first use).
 
 Why not torch's recompute tags (``CheckpointPolicy.MUST_RECOMPUTE``) and a second min-cut: the
@@ -49,7 +51,9 @@ from ..calibration.cpu import measure_cpu_profile
 from ..cost.profiles import PROFILES, DeviceProfile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
 from ..planner.fx_adapter import AdapterResult, build_problem
+from ..planner.problem import BACKWARD, FORWARD
 from ..report import Report
+from .attention_chunks import ChunkDecision, widen_attention_chunks
 from .meta_keys import PLANNED_GRAPH_KEY, PLAN_PLACED_KEY
 
 PLAN_SOLVER = "auto"  # the ILP for small graphs, the heuristic for large (see mxcompile.planner)
@@ -263,6 +267,33 @@ def plan_report(plan: Plan, adapted: AdapterResult, *, profile: DeviceProfile) -
     }
 
 
+def _step_bytes(adapted: AdapterResult, curve: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Modelled bytes at each step, by node name: the forward graph's, then the backward's (a
+    recomputation copied into the backward may share a forward node's name)."""
+    phases: dict[str, dict[str, int]] = {FORWARD: {}, BACKWARD: {}}
+    for step, nbytes in zip(adapted.problem.steps, curve, strict=True):
+        phases[step.phase][step.name] = nbytes
+    return phases[FORWARD], phases[BACKWARD]
+
+
+def _chunk_report(plan: Plan, chunks: Sequence[ChunkDecision]) -> dict[str, Any]:
+    """The attention chunks' part of ``report.memory_plan``: the decisions, and the plan's
+    step time with the chosen chunks (it was made with one element per call) and its extra
+    time over the step without a budget: recomputation (a recomputed attention op at its
+    chosen chunk), exposed transfers, and the passes that smaller chunks add."""
+    chunk_extra = sum(c.extra_time_s for c in chunks if not c.recomputed)
+    extra = (plan.recompute_time_s - sum(c.saved_time_s for c in chunks if c.recomputed)
+             + plan.transfer_exposed_s + chunk_extra)
+    predicted = plan.step_time_s - sum(c.saved_time_s for c in chunks)
+    return {
+        "attention_chunks": [c.as_dict() for c in chunks],
+        "attention_chunk_time_s": chunk_extra,
+        "predicted_step_time_s": predicted,
+        "extra_time_s": extra,
+        "keep_all_step_time_s": predicted - extra,  # the step without a budget, unbudgeted chunks
+    }
+
+
 def _record(report: Report, entry: dict[str, Any]) -> None:
     """One dynamo graph's plan: its keys at the top level (the common one-graph case), and
     every graph's plan under "graphs"."""
@@ -317,19 +348,26 @@ def plan_and_partition(
         realized = build_problem(fw, bw, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
                                  profile=profile, offload=config.offload, with_min_peak=False)
         offload_names = {d.name for d in plan.decisions if d.decision == OFFLOAD}
-        peak = evaluate(realized.problem, {t.name: OFFLOAD if t.name in offload_names else KEEP
-                                           for t in realized.problem.tensors}).peak_bytes
-        if best is None or peak < best[0]:
-            best = (peak, plan, fw, bw, realized)
-        if peak <= budget:
+        modelled = evaluate(realized.problem, {t.name: OFFLOAD if t.name in offload_names else KEEP
+                                               for t in realized.problem.tensors})
+        if best is None or modelled.peak_bytes < best[0]:
+            best = (modelled.peak_bytes, plan, fw, bw, realized, modelled.memory_curve)
+        if modelled.peak_bytes <= budget:
             break
-        target -= peak - budget  # the rewrite overshot the model: plan again, tighter by the overshoot
+        target -= modelled.peak_bytes - budget  # the rewrite overshot the model: plan again, tighter by the overshoot
     assert best is not None
-    peak, plan, fw, bw, realized = best
+    peak, plan, fw, bw, realized, curve = best
+    changed = any(d.decision in (OFFLOAD, RECOMPUTE) for d in plan.decisions)
+    # A plan that keeps every saved tensor (a budget at or above the keep-everything peak, e.g.
+    # 1.0) is no plan: the graphs are the unplanned partition's and compile as such (Inductor's
+    # own reordering and buffer reuse on), so the step is the no-budget step.
+    if not changed:
+        fw, bw = fw0, bw0
+    chunks = widen_attention_chunks((fw, bw), _step_bytes(realized, curve), budget, profile)
     entry = plan_report(plan, adapted, profile=profile)
     entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, plan_rounds=rounds,
                  realized_peak_bytes=peak, realized_saved_bytes=sum(t.nbytes for t in realized.problem.tensors),
-                 budget_met=peak <= budget)
+                 budget_met=peak <= budget, **_chunk_report(plan, chunks))
     if peak > budget:
         warnings.warn(
             f"memory plan: the rewritten graphs' modelled peak {peak} B exceeds memory_budget {budget} B after "
@@ -338,13 +376,10 @@ def plan_and_partition(
         )
     offloaded = [d.name for d in plan.decisions if d.decision == OFFLOAD]
     entry["offload_applied"] = insert_offload(fw, bw, offloaded, num_fwd_outputs) if offloaded else []
-    entry["graphs_changed"] = bool(offloaded) or any(d.decision == RECOMPUTE for d in plan.decisions)
+    entry["graphs_changed"] = changed
     _record(report, entry)
-    if not entry["graphs_changed"]:
-        # A plan that keeps every saved tensor (a budget at or above the keep-everything peak,
-        # e.g. 1.0) is no plan: the graphs are the unplanned partition's and compile as such
-        # (Inductor's own reordering and buffer reuse on), so the step is the no-budget step.
-        return fw0, bw0
+    if not changed:
+        return fw, bw
     for gm in (fw, bw):
         gm.meta[PLANNED_GRAPH_KEY] = True
     return fw, bw

@@ -4,10 +4,13 @@ rates, the DRAM copy size, the cache directory."""
 import json
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from mxcompile.calibration import cpu
 from mxcompile.calibration.cpu import measure_cpu_profile
-from mxcompile.cost.profiles import OP_RATE_KEYS, DeviceProfile
+from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, OP_RATE_KEYS, QUANTIZE_RATE, DeviceProfile
 
 
 @pytest.fixture
@@ -17,7 +20,7 @@ def quick_measurement(monkeypatch):
     monkeypatch.setattr(cpu, "CPU_MATMUL_SIZE", 64)
     monkeypatch.setattr(cpu, "CPU_COPY_BYTES", 2**20)
     monkeypatch.setattr(cpu, "CPU_LLC_COPIES", 0)
-    monkeypatch.setattr(cpu, "CPU_ATTENTION_SHAPE", (1, 1, 32, 32))
+    monkeypatch.setattr(cpu, "CPU_ATTENTION_SHAPE", (2, 1, 32, 32))
     # The compiled quantize's rate needs an Inductor compile in a child process (tested once,
     # below); here only the caching is under test.
     monkeypatch.setattr(cpu, "_compiled_quantize_rate", lambda: 1.0)
@@ -67,9 +70,31 @@ def test_cpu_profile_prices_mx_ops_as_measured(tmp_path, monkeypatch, quick_meas
     monkeypatch.setenv("MXCOMPILE_CACHE_DIR", str(tmp_path))
     profile = measure_cpu_profile()
     assert not profile.native_fp8_gemm
-    assert set(profile.op_rates) == set(OP_RATE_KEYS)
+    # The pass rate is omitted where one-element chunks measured no slower.
+    assert {QUANTIZE_RATE, ATTENTION_RATE} <= set(profile.op_rates) <= set(OP_RATE_KEYS)
     assert "mxcompile::attention" in profile.sources["op_rates.attention"]
     assert DeviceProfile.from_dict(json.loads((tmp_path / "cpu_profile.json").read_text())["profile"]) == profile
+
+
+def test_cpu_profile_times_real_tensors_under_the_compiles_fake_mode(tmp_path, monkeypatch, quick_measurement):
+    """The backend measures the profile while compiling, inside the graph's FakeTensorMode.
+    Every timed call must still run on real tensors with no dispatch mode active (under the
+    fake mode a 1.2 GB copy timed at 28 TB/s)."""
+    monkeypatch.setenv("MXCOMPILE_CACHE_DIR", str(tmp_path))
+    timed = []
+
+    def best_time(fn):
+        assert not _get_current_dispatch_mode_stack(), "a dispatch mode is active while timing"
+        with torch.profiler.profile() as prof:
+            fn()
+        timed.append({event.key for event in prof.key_averages()})
+        return 1e-3
+
+    monkeypatch.setattr(cpu, "_best_time", best_time)
+    with FakeTensorMode():
+        measure_cpu_profile()
+    ran = set().union(*timed)
+    assert {"aten::mm", "aten::copy_", "mxcompile::attention"} <= ran
 
 
 def test_copy_outgrows_the_last_level_cache(monkeypatch):
@@ -91,3 +116,36 @@ def test_compiled_quantize_rate_runs_in_a_child():
     would surface as an error here, not as a made-up rate."""
     rate = cpu._compiled_quantize_rate()
     assert 0 < rate < float("inf")
+
+
+def test_attention_rates_split_flops_from_passes(monkeypatch):
+    """On a clock where the attention ops take FLOPs at a fixed rate plus a fixed time per pass
+    (key tile of a batch chunk), the calibration recovers both rates."""
+    flop_rate, pass_s = 5e9, 2e-4
+    monkeypatch.setattr(cpu, "CPU_ATTENTION_SHAPE", (4, 2, 64, 32))
+    batch, heads, seq, width = cpu.CPU_ATTENTION_SHAPE
+    tiles = -(-seq // cpu.default_key_tile(cpu.MXConfig().block_size))
+    clock = [0.0]
+
+    def timed_op(backward):
+        def op(*args):
+            q = args[1] if backward else args[0]
+            chunk = args[-1]
+            flops = cpu.attention_flops(batch, heads, seq, seq, width, width, backward=backward)
+            clock[0] += flops / flop_rate + -(-batch // chunk) * tiles * pass_s
+            if backward:
+                return q, q, q
+            return q, q.new_zeros(q.shape[:3])
+        return op
+
+    def best_over_threads(fn):
+        start = clock[0]
+        fn()
+        return clock[0] - start
+
+    monkeypatch.setattr(cpu, "ATTENTION", timed_op(False))
+    monkeypatch.setattr(cpu, "ATTENTION_BACKWARD", timed_op(True))
+    monkeypatch.setattr(cpu, "_best_over_threads", best_over_threads)
+    rates = cpu._attention_rates()
+    assert rates[ATTENTION_RATE] == pytest.approx(flop_rate)
+    assert rates[ATTENTION_PASS_RATE] == pytest.approx(1 / pass_s)

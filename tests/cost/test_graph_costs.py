@@ -9,8 +9,9 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from mxcompile.config import MXConfig
-from mxcompile.cost.graph_costs import attention_flops, bytes_moved, node_flops, node_time_s, value_bytes, workspace_bytes
-from mxcompile.cost.profiles import ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
+from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved, node_flops,
+                                        node_time_s, value_bytes, workspace_bytes)
+from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from mxcompile.ops.attention_reference import default_key_tile
 from mxcompile.ops.mx_mm import MX_MM
@@ -96,6 +97,14 @@ def test_attention_priced_by_its_gemm_flops_and_measured_rate():
     assert node_time_s(node, roofline) == pytest.approx(flops / roofline.flops("fp8"))
     measured = _profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8})
     assert node_time_s(node, measured) == pytest.approx(flops / 1e8)
+    # With a measured pass rate, each pass (a key tile of a batch chunk; the op's default chunk
+    # is one element) adds its fixed time.
+    passes = batch * -(-seq // default_key_tile(CONFIG.block_size))
+    assert attention_passes(node) == passes and attention_passes(node, chunk=batch) == passes // batch
+    with_passes = _profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8, ATTENTION_PASS_RATE: 1e3})
+    assert node_time_s(node, with_passes) == pytest.approx(flops / 1e8 + passes / 1e3)
+    assert attention_pass_time_s(node, with_passes, chunk=batch) == pytest.approx(passes / batch / 1e3)
+    assert attention_pass_time_s(node, measured) == 0.0  # no pass rate: the passes are not priced
 
 
 def test_unknown_op_rate_is_an_error():
