@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds of step timing")
     parser.add_argument("--timing-only", action="store_true",
                         help="no peak measurements (and no matched rows): the plans and the step times only")
+    parser.add_argument("--refresh-profile", action="store_true",
+                        help="measure the CPU profile the plans are priced with again (on a quiet machine)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     fractions = tuple(sorted(set(args.fractions), reverse=True))
@@ -332,14 +334,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
+    from mxcompile.calibration.cpu import measure_cpu_profile
+
     load = os.getloadavg()[0]
     started = time.perf_counter()
+    # Every process plans with the CPU profile cached on disk. Measured here, before any child
+    # runs: a profile first measured inside a row's process, beside another compiling one,
+    # priced bf16 GEMMs at a third of their quiet rate (2026-12-07).
+    profile = measure_cpu_profile(refresh=args.refresh_profile)
     print(f"memory budgets on CPU, fresh process per row, batch {args.batch}, peak of step {args.warmup + args.steps + 1}; "
           f"step times: {args.rounds} round-robin rounds after {args.warmup} warm-up, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, load {load:.1f} before")
     results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "torch": torch.__version__,
                                "threads": torch.get_num_threads(), "load_before": load, "batch": args.batch,
-                               "rounds": args.rounds, "timing_only": args.timing_only, "runs": {}}
+                               "rounds": args.rounds, "timing_only": args.timing_only,
+                               "cpu_profile": profile.to_dict(), "runs": {}}
     for lower in args.lower:
         for model in args.models:
             rows = run_model(model, lower=lower, fractions=fractions, torch_fractions=torch_fractions,

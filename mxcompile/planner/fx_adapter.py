@@ -23,7 +23,8 @@ Saved tensors (the decision variables)
     ``first_backward_use`` / ``last_backward_use`` are the backward steps reading its
     placeholder. Recomputing a tensor replays its forward *closure*: the producer and every
     forward node back to the nearest saved tensors or graph inputs (``recompute_inputs``);
-    its cost is the closure's estimated time, and its ``recompute_work_bytes`` the peak bytes
+    its cost is the closure's estimated time with its pointwise chains fused, as Inductor runs
+    it (:func:`~mxcompile.cost.graph_costs.fused_run_time_s`), and its ``recompute_work_bytes`` the peak bytes
     of the closure's intermediates during the replay (each freed after its last use inside
     the closure) beyond the tensor itself. A closure with a random op (``native_dropout``,
     ``rand*``, ``bernoulli``...) is not recomputable.
@@ -51,7 +52,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..cost.graph_costs import is_alias, node_bytes, node_time_s, workspace_bytes
+from ..cost.graph_costs import fused_run_time_s, is_alias, node_bytes, node_time_s, workspace_bytes
 from ..cost.profiles import DeviceProfile
 from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
@@ -268,7 +269,7 @@ def build_problem(
             last_forward_use=max([produced, *fw_uses]),
             first_backward_use=bw_uses[0] if bw_uses else n_fwd,
             last_backward_use=bw_uses[-1] if bw_uses else n_fwd,
-            recompute_cost_s=sum(node_time_s(n, profile) for n in closure),
+            recompute_cost_s=fused_run_time_s(closure, profile),
             recompute_inputs=tuple(i.name for i in inputs),
             recomputable=not (is_input or random),
             offloadable=nbytes > 0,

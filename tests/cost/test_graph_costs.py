@@ -9,8 +9,8 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from mxcompile.config import MXConfig
-from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved, node_flops,
-                                        node_time_s, value_bytes, workspace_bytes)
+from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved,
+                                        fused_run_time_s, node_flops, node_time_s, value_bytes, workspace_bytes)
 from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from mxcompile.ops.attention_reference import default_key_tile
@@ -189,3 +189,33 @@ def test_attention_scratch_counts_its_batch_chunk_and_bounds_what_the_ops_alloca
         assert counted[1] <= ATTENTION_SCRATCH_SLACK * held[1], (name, held[1], counted[1])
         assert counted[batch] == batch * counted[1]
         assert held[batch] > held[1], (name, held)
+
+
+def test_a_recomputation_is_priced_with_its_pointwise_chains_fused():
+    """A GELU-like chain before a GEMM, priced as Inductor runs it: the chain's intermediates stay
+    in registers, so the chain reads its inputs and writes the GEMM's operand once; the GEMM
+    costs what it costs alone. A closure ending in a pointwise op writes its result."""
+    aten = torch.ops.aten
+
+    def chain(x, w):
+        half = aten.mul.Tensor(x, 0.5)
+        erf = aten.erf.default(half)
+        one_plus = aten.add.Tensor(erf, 1.0)
+        gated = aten.mul.Tensor(one_plus, x)
+        return aten.mm.default(gated, w), gated
+
+    x, w = torch.randn(M, K), torch.randn(K, N)
+    gm = fx.symbolic_trace(chain)
+    FakeTensorProp(gm).propagate(x, w)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    half, erf, one_plus, gated, mm = nodes
+    profile = _profile(bandwidth=1e9)
+    x_bytes = M * K * 4
+    # half reads x, gated reads x and writes its output (read by the GEMM): three passes.
+    expected = 3 * x_bytes / 1e9 + node_time_s(mm, profile)
+    assert fused_run_time_s(nodes, profile) == pytest.approx(expected)
+    # Each op alone: x read and written by half, erf and add, gated reads two and writes one: 9 passes.
+    assert sum(node_time_s(n, profile) for n in nodes) == pytest.approx(9 * x_bytes / 1e9 + node_time_s(mm, profile))
+    # Ending at the pointwise `gated`: the same three passes, the result written once.
+    assert fused_run_time_s(nodes[:4], profile) == pytest.approx(3 * x_bytes / 1e9)
+    assert fused_run_time_s([half], profile) == pytest.approx(node_time_s(half, profile))
