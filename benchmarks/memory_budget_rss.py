@@ -104,12 +104,20 @@ def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, step
 
 
 TIMING_MARKER = "MEMORY_BUDGET_RSS_TIMING "
+# Dynamo compiles a module's forward once per instance, against one recompile limit per code
+# object (8 by default): a ninth row of the same model ran uncompiled, in eager torch without
+# MX, 25% faster than the rows it was compared with (llama-small's last row, 2026-12-07). The
+# child raises the limit past its rows and fails rather than fall back.
+RECOMPILES_PER_ROW = 4
 # The child of time_round_robin: builds every step, warms each, then times rounds of all.
 _ROUND_ROBIN_CHILD = f"""
 import json, sys
+import torch._dynamo
 from mxcompile.measure.fresh_process import resolve_factory
 from mxcompile.measure.timing import time_interleaved
 spec = json.loads(sys.argv[1])
+torch._dynamo.config.recompile_limit = {RECOMPILES_PER_ROW} * len(spec["steps"])
+torch._dynamo.config.fail_on_recompile_limit_hit = True
 steps = [resolve_factory(s["factory"])(**s["kwargs"]) for s in spec["steps"]]
 for step in steps:
     for _ in range(spec["warmup"]):
