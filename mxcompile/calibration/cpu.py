@@ -1,8 +1,8 @@
 """This CPU's :class:`~mxcompile.cost.profiles.DeviceProfile`, measured once and cached.
 
 :func:`measure_cpu_profile` times small fp32 and bf16 matmuls, a DRAM copy and the MX ops that
-run below the roofline on CPUs (the quantize op's compiled CPU kernel, the attention ops, per FLOP and per pass), and
-caches the profile on disk keyed by the CPU model and instruction set (a profile measured on
+run below the roofline on CPUs (the quantize op's compiled CPU kernel; the attention ops, per
+FLOP and per pass), and caches the profile on disk keyed by the CPU model and instruction set (a profile measured on
 another host, e.g. one with AVX512-BF16, priced bf16 GEMMs 150x too fast on an AVX2-only one).
 """
 
@@ -161,7 +161,8 @@ def _attention_rates() -> dict[str, float]:
         out, lse = ATTENTION(*forward)
         backward = (torch.randn_like(out), q, k, v, None, out, lse, *common, config.grad_elem.value,
                     config.scale_mode.value, config.block_size, key_tile, chunk)
-        return _best_over_threads(lambda: ATTENTION(*forward)) + _best_over_threads(lambda: ATTENTION_BACKWARD(*backward))
+        forward_s = _best_over_threads(lambda: ATTENTION(*forward))
+        return forward_s + _best_over_threads(lambda: ATTENTION_BACKWARD(*backward))
 
     whole, single = forward_and_backward_s(batch), forward_and_backward_s(1)
     tiles = math.ceil(seq / key_tile)

@@ -38,7 +38,6 @@ Conventions
 from __future__ import annotations
 
 import math
-
 import operator
 from typing import Any, Iterable
 

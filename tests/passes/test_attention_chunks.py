@@ -11,7 +11,10 @@ from mxcompile.config import MXConfig
 from mxcompile.cost.graph_costs import attention_batch_chunk, attention_workspace_for_chunk, workspace_bytes
 from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION
-from mxcompile.passes.attention_chunks import largest_fitting_chunk, unbudgeted_chunk, widen_attention_chunks
+from mxcompile.passes.attention_chunks import (ChunkDecision, largest_fitting_chunk, unbudgeted_chunk,
+                                               widen_attention_chunks)
+from mxcompile.passes.memory_plan import _chunk_report
+from mxcompile.planner import Plan
 
 BATCH, HEADS, SEQ, WIDTH = 6, 2, 64, 32
 PASSES_PER_S = 1000.0
@@ -80,3 +83,27 @@ def test_widening_never_narrows_and_skips_steps_it_has_no_bytes_for() -> None:
     assert decision.chunk == 3 and attention_batch_chunk(node) == 3
     assert widen_attention_chunks([gm], [{}], 10**12, _profile()) == []
     assert attention_batch_chunk(node) == 3
+
+
+def _decision(node: str, *, extra: float, saved: float, recomputed: bool) -> ChunkDecision:
+    return ChunkDecision(node, 2, 4, 0, 0, extra_time_s=extra, saved_time_s=saved, recomputed=recomputed, reason="")
+
+
+def test_the_report_prices_the_chosen_chunks_against_the_step_without_a_budget() -> None:
+    """Worked by hand. The plan was made with one element per call: 1.0 s of step, 0.2 s of it
+    recomputation (a recomputed attention op at one element among it), 0.05 s of exposed
+    transfers. Widening saves 0.3 s on an original op (still 0.1 s over its unbudgeted chunk)
+    and 0.04 s on the recomputed copy (which the step without a budget does not run at all)."""
+    plan = Plan(decisions=(), budget_bytes=1, peak_bytes=1, binding_step=0, binding_step_name="", memory_curve=(1,),
+                step_time_s=1.0, base_time_s=0.75, extra_time_s=0.25, recompute_time_s=0.2,
+                transfer_exposed_s=0.05, solver="heuristic", optimal=False, status="")
+    chunks = [_decision("attention", extra=0.1, saved=0.3, recomputed=False),
+              _decision("attention_copy", extra=0.0, saved=0.04, recomputed=True)]
+    report = _chunk_report(plan, chunks)
+    assert report["predicted_step_time_s"] == pytest.approx(1.0 - 0.3 - 0.04)
+    assert report["attention_chunk_time_s"] == pytest.approx(0.1)
+    assert report["extra_time_s"] == pytest.approx((0.2 - 0.04) + 0.05 + 0.1)
+    # The step without a budget: the planned graphs' base time with the original op at its
+    # unbudgeted chunk (0.75 - (0.3 + 0.1) of its one-element passes), no recomputation.
+    assert report["keep_all_step_time_s"] == pytest.approx(0.75 - 0.4)
+    assert [c["node"] for c in report["attention_chunks"]] == ["attention", "attention_copy"]
