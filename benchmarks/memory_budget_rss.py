@@ -25,8 +25,8 @@ Columns: ``RSS MiB``, the step's peak resident-set growth (VmHWM after the step 
 it): what a CPU user sees; ``tensor MiB``, the peak of live tensor storage the step allocated
 (torch.profiler, one more step): what the planner models. Both exclude the parameters and
 inputs (resident before the step). ``budget MiB``: the plan's budget (``report.memory_plan``
-of ``mxcompile.explain`` on the same model and inputs: the plan is made before lowering, so it
-is the same under both lowerings), parameters and inputs included; ``+held``: the measured
+of :func:`mxcompile.measure.steps.plan_report` on the same model and inputs: the plan the step
+makes, for the allocations of its lowering), parameters and inputs included; ``+held``: the measured
 peak plus those bytes, held against it.
 
 Step times come from one more fresh process per model, an ordinary one (the peak's child runs
@@ -171,23 +171,20 @@ def time_rows(rows: list[tuple[Row, str, dict[str, Any]]], *, warmup: int, round
             row.over_s = paired_extra(by_row[id(row)], by_row[id(base)])
 
 
-def plan(row: Row, model: str, budget: Any, batch_size: int) -> Row:
-    """Fill the plan's figures of ``row`` from ``mxcompile.explain`` (summed over graphs)."""
+def plan(row: Row, model: str, budget: Any, batch_size: int, lower: str) -> Row:
+    """Fill the plan's figures of ``row`` from the report of the plan its step makes
+    (:func:`mxcompile.measure.steps.plan_report`, summed over graphs)."""
     import warnings
 
     import torch
 
-    import mxcompile
-    from mxcompile.config import MemoryBudget, MXConfig
-    from mxcompile.measure.steps import build_model
+    from mxcompile.measure.steps import plan_report
 
     try:
-        module, args = build_model(model, batch_size)
-        parsed = MemoryBudget.parse(budget) if isinstance(budget, str) else MemoryBudget.of_fraction(budget)
         torch._dynamo.reset()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = mxcompile.explain(module, *args, config=MXConfig(memory_budget=parsed))
+            report = plan_report(model, budget, batch_size, lower)
         torch._dynamo.reset()
     except Exception as err:  # noqa: BLE001  (a failing cell is reported, not fatal)
         row.error = row.error or _short(err)
@@ -228,7 +225,7 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
     for fraction in (None, *fractions):
         row = Row("mxfp8", "none" if fraction is None else f"{fraction:g}")
         if fraction is not None:
-            plan(row, model, fraction, batch_size)
+            plan(row, model, fraction, batch_size, lower)
         run(row, MX_FACTORY, {**common, "memory_budget": fraction})
     held = next((r.held_bytes for r in rows if r.held_bytes is not None), None)
     for fraction in () if timing_only else torch_fractions:
@@ -239,7 +236,7 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
             rows.append(row)
             continue
         budget = f"{source.tensor_bytes + held}B"
-        plan(row, model, budget, batch_size)
+        plan(row, model, budget, batch_size, lower)
         run(row, MX_FACTORY, {**common, "memory_budget": budget})
     started = time.perf_counter()
     time_rows(measured, warmup=warmup, rounds=rounds)

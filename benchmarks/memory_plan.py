@@ -8,8 +8,8 @@ For each model and budget fraction f:
 
 * mxfp8: ``torch.compile(model, backend="mxfp8", options={"memory_budget": f})``; the plan
   (budget bytes, predicted peak, estimated recompute time) comes from ``report.memory_plan``
-  of ``mxcompile.explain(model, *inputs, config=MXConfig(memory_budget=f))`` on the same model
-  and inputs. Planner wall time is timed in that explain call by wrapping the solver calls
+  of :func:`mxcompile.measure.steps.plan_report` on the same model and inputs (the plan the
+  step makes, for its lowering's allocations). Planner wall time is timed in that call by wrapping the solver calls
   (``plan_activation_memory``, ``budget_curve``) and the whole ``plan_and_partition`` step
   (planning, applying the plan, modelling the result) at run time; the report carries no time.
 * torch: ``torch.compile(model)`` (Inductor) with ``torch._functorch.config.activation_memory_budget = f``.
@@ -172,22 +172,19 @@ def _planner_timers() -> Iterator[dict[str, float]]:
             setattr(module, name, function)
 
 
-def plan_for(model: str, fraction: float, batch_size: int) -> Planned:
+def plan_for(model: str, fraction: float, batch_size: int, lower: str) -> Planned:
     import warnings
 
     import torch
 
-    import mxcompile
-    from mxcompile.config import MemoryBudget, MXConfig
-    from mxcompile.measure.steps import build_model
+    from mxcompile.measure.steps import plan_report
 
     try:
-        module, args = build_model(model, batch_size)
         torch._dynamo.reset()
         started = time.perf_counter()
         with _planner_timers() as spent, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an over-budget warning shows in the table instead
-            report = mxcompile.explain(module, *args, config=MXConfig(memory_budget=MemoryBudget.of_fraction(fraction)))
+            report = plan_report(model, fraction, batch_size, lower)
         explain_s = time.perf_counter() - started
         torch._dynamo.reset()
     except Exception as err:  # noqa: BLE001  (a failing cell is reported in the table, not fatal)
@@ -234,7 +231,7 @@ def run_model(model: str, fractions: tuple[float, ...], *, batch_size: int, warm
     def plans() -> None:
         for fraction in fractions:
             started = time.perf_counter()
-            result.plans[fraction] = plan_for(model, fraction, batch_size)
+            result.plans[fraction] = plan_for(model, fraction, batch_size, lower)
             log(f"  {model} explain budget {fraction}: {time.perf_counter() - started:.0f} s")
 
     def run_all(batch: list[tuple[str, float | None, str, dict[str, Any]]], also: Any = None) -> list[Measured]:
@@ -375,7 +372,7 @@ def matched_table(result: ModelResult, held: int) -> list[str]:
 
 LEGEND = """\
 budget MiB, pred MiB: mxcompile's budget for f (AdapterResult.budget_for_fraction) and the plan's
-  predicted peak, both including parameters and inputs (report.memory_plan via mxcompile.explain);
+  predicted peak, both including parameters and inputs (report.memory_plan of mxcompile.measure.steps.plan_report);
   rc est ms: the plan's estimated recompute time (CPU roofline profile)
 mx MiB, torch MiB: measured peak of live tensor storage the step allocated (torch.profiler memory
   events, fresh process): what the planner models; parameters and inputs excluded

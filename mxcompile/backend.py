@@ -44,6 +44,7 @@ from .ops.native import build as native_build
 from .passes import PassError, run_partition_stage, run_pipeline
 from .passes.graph_facts import GraphInfo, concrete_int, graph_module_names
 from .passes.meta_keys import GRAPH_INFO_KEY
+from .planner.fx_adapter import MemoryModel
 from .report import GraphSnapshot, RecordedGraph, Report, ReportHistory
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
@@ -113,6 +114,12 @@ def _readable(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+def memory_model_of(lower: Compiler) -> MemoryModel:
+    """What a step lowered by `lower` allocates: Inductor fuses pointwise chains; any other
+    lowering (the eager one) runs op by op."""
+    return MemoryModel.FUSED_POINTWISE if lower is inductor_compiler else MemoryModel.OP_BY_OP
+
+
 def compile_graph(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -122,6 +129,7 @@ def compile_graph(
     report: Report | None = None,
     describe: bool | None = None,
     cacheable: bool = False,
+    memory_model: MemoryModel | None = None,
 ) -> Callable:
     """Compile one dynamo graph: AOTAutograd, the pass pipeline, partition, lowering.
 
@@ -133,6 +141,10 @@ def compile_graph(
     `cacheable` (only with Inductor's lowering, which returns torch's `OutputCode`, and without
     `describe`) lets AOTAutograd's cache serve the graph; then the passes may not run at all and
     `report` stays empty. The caller must compile under `compile_cache.tagged(config)`.
+
+    `memory_model` (default: that of `lower`, `memory_model_of`) is how the memory planner
+    models what the step allocates: `explain` lowers op by op but plans for Inductor, as
+    `backend="mxfp8"` compiles.
     """
     describe = report is not None if describe is None else describe
     if cacheable and (describe or lower is not inductor_compiler):
@@ -176,7 +188,8 @@ def compile_graph(
         with dynamo_timed(PARTITION_TIMER):
             fw, bw = run_partition_stage(  # plain min-cut unless config.memory_budget is set
                 joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
-                num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module, **kwargs)
+                num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module,
+                memory_model=memory_model if memory_model is not None else memory_model_of(lower), **kwargs)
         if describe:
             before = saved_tensors(fw_before, num_fwd_outputs, params)
             after = saved_tensors(fw, num_fwd_outputs, params)

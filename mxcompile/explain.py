@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import compile_graph
+from .backend import compile_graph, memory_model_of
 from .config import MXConfig
 from .distributed.mx_all_gather import all_gather_decisions
-from .lowering import eager_compiler
+from .lowering import eager_compiler, inductor_compiler
 from .report import Report
 
 
@@ -20,6 +20,10 @@ def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = Non
     `example_kwargs` (as `model(*example_inputs, **example_kwargs)`, the way HF models are
     called: `explain(model, **batch)`) with the mxfp8 pipeline and return every decision.
     `config` is explain's own keyword, so a model input of that name cannot be given here.
+
+    A memory plan (`config.memory_budget`) is the one `torch.compile(model, backend="mxfp8")`
+    makes: it models the step as Inductor runs it (pointwise chains fused), although explain
+    itself lowers op by op.
 
     Runs one forward pass with autograd enabled (the joint graph is built then) and no backward,
     so no gradient of the model is touched; buffers are restored afterwards. For a model
@@ -32,7 +36,9 @@ def explain(model: Callable, *example_inputs: Any, config: MXConfig | None = Non
     report = Report(config.to_dict())
     if isinstance(model, torch.nn.Module):
         report.all_gather.update(all_gather_decisions(model))
-    backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report)
+    # Lowered op by op (no Inductor compile), planned as `backend="mxfp8"` plans (for Inductor).
+    backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report,
+                                memory_model=memory_model_of(inductor_compiler))
     modules = [model] if isinstance(model, torch.nn.Module) else []
     buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
     compiled = torch.compile(model, backend=backend)

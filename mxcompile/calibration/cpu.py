@@ -34,7 +34,7 @@ from ..ops.quantize import QUANTIZE
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 6  # bump when the measurement (or a measured op) changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 7  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
@@ -141,14 +141,38 @@ def copy_bytes() -> int:
     return max(CPU_COPY_BYTES, CPU_LLC_COPIES * llc_bytes())
 
 
+def attention_calibration_chunks(batch: int) -> list[int]:
+    """The batch chunks the attention calibration times: the whole batch, then halving down to
+    one element (8: 8, 4, 2, 1), so that the pass time is fitted over the few-chunk range a
+    memory plan's widening lands in as well as the many-chunk one."""
+    chunks = [batch]
+    while chunks[-1] > 1:
+        chunks.append(math.ceil(chunks[-1] / 2))
+    return chunks
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` over ``xs``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    variance = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / variance if variance else 0.0
+
+
 def _attention_rates() -> dict[str, float]:
     """``op_rates`` of the MX attention ops on this CPU: their eager (key-tiled, quantizing)
     torch implementation is what Inductor calls on CPU (the ops are opaque there). The forward
-    and backward on ``CPU_ATTENTION_SHAPE`` are timed with the whole batch in one chunk and with
-    one element per chunk; the difference over the extra passes is the fixed time of a pass
-    (``ATTENTION_PASS_RATE``, omitted when one-element chunks are not slower), and the rest of
-    the whole-batch time prices the FLOPs (``ATTENTION_RATE``, counted by
-    :func:`mxcompile.cost.graph_costs.attention_flops`)."""
+    and backward on ``CPU_ATTENTION_SHAPE`` are timed at each batch chunk of
+    :func:`attention_calibration_chunks` (the whole batch down to one element); the
+    least-squares slope of their time over their passes is the fixed time of a pass
+    (``ATTENTION_PASS_RATE``, omitted when more passes are not slower), and the rest of the
+    whole-batch time prices the FLOPs (``ATTENTION_RATE``, counted by
+    :func:`mxcompile.cost.graph_costs.attention_flops`).
+
+    Until 2026-12-07 the pass time was the difference between the whole batch and one element
+    per chunk alone: a small difference of two noisy times (0.3 to 2.6 ms per pass on one
+    2-core host in one morning), priced as if every pass cost what the last of eight does.
+    Measured there (fwd + bwd, ms): chunk 8 11.1, 5 9.9, 4 9.5, 2 10.5, 1 14.6: halving the
+    chunk costs nothing, one element per call does."""
 
     config = MXConfig()
     batch, heads, seq, width = CPU_ATTENTION_SHAPE
@@ -164,10 +188,13 @@ def _attention_rates() -> dict[str, float]:
         forward_s = _best_over_threads(lambda: ATTENTION(*forward))
         return forward_s + _best_over_threads(lambda: ATTENTION_BACKWARD(*backward))
 
-    whole, single = forward_and_backward_s(batch), forward_and_backward_s(1)
     tiles = math.ceil(seq / key_tile)
     ops = 2  # the forward and the backward
-    pass_s = max(0.0, (single - whole) / (ops * (batch - 1) * tiles)) if batch > 1 else 0.0
+    chunks = attention_calibration_chunks(batch)
+    times = [forward_and_backward_s(chunk) for chunk in chunks]
+    whole = times[0]
+    passes = [ops * tiles * math.ceil(batch / chunk) for chunk in chunks]
+    pass_s = max(0.0, _slope(passes, times)) if len(chunks) > 1 else 0.0
     flops = attention_flops(batch, heads, seq, seq, width, width) + attention_flops(
         batch, heads, seq, seq, width, width, backward=True)
     rates = {ATTENTION_RATE: flops / max(whole - ops * tiles * pass_s, ATTENTION_MIN_FLOP_SHARE * whole)}

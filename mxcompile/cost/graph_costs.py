@@ -385,6 +385,18 @@ def is_pointwise(node: fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
+def fused_into_reader(node: fx.Node) -> bool:
+    """Whether Inductor never stores ``node``'s output: a pointwise op read by exactly one op, a
+    pointwise one (no view between), which Inductor computes it inside (it inlines a pointwise
+    producer into the kernel of its consumer). A producer read by several ops, through a view or
+    by any other op (a GEMM, a reduction, a custom op, the graph's output) counts as stored: it
+    may be, so the memory model stays an upper bound."""
+    if not is_pointwise(node) or len(node.users) != 1:
+        return False
+    (reader,) = node.users
+    return is_pointwise(reader)
+
+
 def _fused_away(node: fx.Node, members: set[fx.Node], result: fx.Node) -> bool:
     """Whether a pointwise member's output stays inside a fused kernel: every member reading
     it (through views) is pointwise, and it is not the run's result."""

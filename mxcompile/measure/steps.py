@@ -11,6 +11,8 @@ gradients set to None first (so they count in the step's peak):
   ``options={"memory_budget": budget}`` (a fraction, or bytes as ``"<n>B"``);
 * both take ``lower="eager"`` to skip Inductor code generation (same partitioners and
   budgets, much faster to compile, slower and more memory-hungry steps): for smoke tests;
+* :func:`plan_report`: the report (``memory_plan``) of the plan a step compiled with a memory
+  budget makes, for either lowering, without compiling it with Inductor;
 * :func:`timed_step`: wraps any factory; compiles and warms it up, then times every further
   step into a JSON file. :func:`measure_step` measures the peak and the step time (median)
   in one child and returns both (:func:`mxcompile.measure.timing.time_step` times a step in
@@ -182,6 +184,40 @@ def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float |
     return _train_step(module, compiled, args, during=budget)
 
 
+def _memory_budget(memory_budget: float | str) -> Any:
+    from ..config import MemoryBudget
+
+    if isinstance(memory_budget, str):
+        return MemoryBudget.parse(memory_budget)
+    _check_fraction("memory_budget", memory_budget)
+    return MemoryBudget.of_fraction(memory_budget)
+
+
+def plan_report(model: str, memory_budget: float | str, batch_size: int = DEFAULT_BATCH_SIZE,
+                lower: str = "inductor") -> Any:
+    """The :class:`~mxcompile.report.Report` of ``model``'s step under ``memory_budget`` (as
+    :func:`mxfp8_budget_step` takes it), its memory plan made for the allocations of ``lower``:
+    one forward through the pipeline with eager lowering, as ``mxcompile.explain`` runs it
+    (which plans for Inductor)."""
+    check_choice("lower", lower, LOWERINGS)
+    import torch
+
+    from ..backend import compile_graph, memory_model_of
+    from ..config import MXConfig
+    from ..lowering import eager_compiler, inductor_compiler
+    from ..report import Report
+
+    module, args = build_model(model, batch_size)
+    config = MXConfig(memory_budget=_memory_budget(memory_budget))
+    report = Report(config.to_dict())
+    lowered_by = inductor_compiler if lower == "inductor" else eager_compiler
+    backend = functools.partial(compile_graph, config=config, lower=eager_compiler, report=report,
+                                memory_model=memory_model_of(lowered_by))
+    with torch.enable_grad():
+        torch.compile(module, backend=backend)(*args)
+    return report
+
+
 def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | str | None = None,
                       batch_size: int = DEFAULT_BATCH_SIZE, lower: str = "inductor") -> Step:
     """One forward+backward of ``model`` compiled with ``backend="mxfp8"`` and
@@ -189,18 +225,15 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | str | None
     (0, 1] or a byte string such as ``"123456B"`` (:meth:`MemoryBudget.parse`).
     ``lower="eager"`` runs the same pipeline with eager lowering (no Inductor code
     generation: fast to compile, for smoke tests)."""
-    if not isinstance(memory_budget, str):
-        _check_fraction("memory_budget", memory_budget)
     check_choice("lower", lower, LOWERINGS)
     import torch
 
     from ..backend import compile_graph
-    from ..config import MemoryBudget, MXConfig
+    from ..config import MXConfig
     from ..lowering import eager_compiler
 
+    budget = None if memory_budget is None else _memory_budget(memory_budget)
     module, args = build_model(model, batch_size)
-    budget = (None if memory_budget is None else MemoryBudget.parse(memory_budget) if isinstance(memory_budget, str)
-              else MemoryBudget.of_fraction(memory_budget))
     options = {} if budget is None else {"memory_budget": budget}
     if lower == "inductor":
         compiled = torch.compile(module, backend="mxfp8", options=options)

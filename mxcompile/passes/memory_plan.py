@@ -44,16 +44,18 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._dynamo.utils import counters
 
 from ..config import MXConfig
 from ..ops import offload as offload_ops
 from ..calibration.cpu import measure_cpu_profile
 from ..cost.profiles import PROFILES, DeviceProfile
 from ..planner import BudgetInfeasibleError, KEEP, OFFLOAD, RECOMPUTE, Plan, budget_curve, evaluate, plan_activation_memory
-from ..planner.fx_adapter import AdapterResult, build_problem
+from ..planner.fx_adapter import AdapterResult, MemoryModel, build_problem
 from ..planner.problem import BACKWARD, FORWARD
 from ..report import Report
 from .attention_chunks import ChunkDecision, widen_attention_chunks
+from .hoist_saved import hoist_saved_values
 from .meta_keys import PLANNED_GRAPH_KEY, PLAN_PLACED_KEY
 
 PLAN_SOLVER = "auto"  # the ILP for small graphs, the heuristic for large (see mxcompile.planner)
@@ -315,21 +317,26 @@ def plan_and_partition(
     num_fwd_outputs: int,
     param_input_indices: Sequence[int],
     clone: Callable[[fx.GraphModule], fx.GraphModule],
+    memory_model: MemoryModel = MemoryModel.OP_BY_OP,
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Partition ``joint``; with ``config.memory_budget`` set, plan the saved activations of
-    that partition and rewrite it to follow the plan (see the module docstring).
+    that partition and rewrite it to follow the plan (see the module docstring), modelling what
+    the step allocates as ``memory_model`` says the lowering will.
 
     Raises:
         BudgetInfeasibleError: the budget cannot be met; the message names the smallest
             budget that can. A configuration error, never hidden by ``config.fallback``.
     """
-    if config.memory_budget is None:
-        return partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     fw0, bw0 = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    hoisted = hoist_saved_values(fw0, num_fwd_outputs)
+    counters["mxcompile"]["hoisted_saved_values"] += len(hoisted)
+    if config.memory_budget is None:
+        return fw0, bw0
     profile = profile_for(joint)
     adapted = build_problem(fw0, bw0, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
-                            profile=profile, budget=config.memory_budget, offload=config.offload)
+                            profile=profile, budget=config.memory_budget, offload=config.offload,
+                            memory_model=memory_model)
     budget = adapted.problem.budget_bytes
     target = budget
     best: tuple[int, Plan, fx.GraphModule, fx.GraphModule, AdapterResult] | None = None
@@ -346,7 +353,8 @@ def plan_and_partition(
         apply_recompute(fw, bw, [d.name for d in plan.decisions if d.decision == RECOMPUTE], adapted,
                         num_fwd_outputs)
         realized = build_problem(fw, bw, num_fwd_outputs=num_fwd_outputs, param_input_indices=param_input_indices,
-                                 profile=profile, offload=config.offload, with_min_peak=False)
+                                 profile=profile, offload=config.offload, with_min_peak=False,
+                                 memory_model=memory_model)
         offload_names = {d.name for d in plan.decisions if d.decision == OFFLOAD}
         modelled = evaluate(realized.problem, {t.name: OFFLOAD if t.name in offload_names else KEEP
                                                for t in realized.problem.tensors})
@@ -360,14 +368,14 @@ def plan_and_partition(
     changed = any(d.decision in (OFFLOAD, RECOMPUTE) for d in plan.decisions)
     # A plan that keeps every saved tensor (a budget at or above the keep-everything peak, e.g.
     # 1.0) is no plan: the graphs are the unplanned partition's and compile as such (Inductor's
-    # own reordering and buffer reuse on), so the step is the no-budget step.
+    # own reordering on), so the step is the no-budget step.
     if not changed:
         fw, bw = fw0, bw0
     chunks = widen_attention_chunks((fw, bw), _step_bytes(realized, curve), budget, profile)
     entry = plan_report(plan, adapted, profile=profile)
     entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, plan_rounds=rounds,
                  realized_peak_bytes=peak, realized_saved_bytes=sum(t.nbytes for t in realized.problem.tensors),
-                 budget_met=peak <= budget, **_chunk_report(plan, chunks))
+                 budget_met=peak <= budget, memory_model=memory_model.value, hoisted_saved_values=hoisted, **_chunk_report(plan, chunks))
     if peak > budget:
         warnings.warn(
             f"memory plan: the rewritten graphs' modelled peak {peak} B exceeds memory_budget {budget} B after "

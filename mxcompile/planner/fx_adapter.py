@@ -39,10 +39,19 @@ Baseline (bytes at each step that are not decisions)
     None between steps). Optimizer state lives outside the step: it adds the same bytes to
     every step, so it shifts the peak without changing any decision; add it to a byte budget
     yourself if you want it counted (a fractional budget is relative and needs nothing).
+
+What allocates (:class:`MemoryModel`)
+    Run op by op (the eager lowering), every op stores its output. Inductor computes a pointwise
+    op read by one pointwise op inside that op's kernel and never stores it
+    (:func:`~mxcompile.cost.graph_costs.fused_into_reader`): such a node allocates nothing, and
+    what it reads is read where its reader runs. A model that stores these overestimated the
+    12-layer MLP's keep-everything step by half (each GELU's intermediates), so a fraction of
+    its activation memory was a fraction of bytes that never exist.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -52,7 +61,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..cost.graph_costs import fused_run_time_s, is_alias, node_bytes, node_time_s, workspace_bytes
+from ..cost.graph_costs import fused_into_reader, fused_run_time_s, is_alias, node_bytes, node_time_s, workspace_bytes
 from ..cost.profiles import DeviceProfile
 from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
@@ -65,6 +74,20 @@ _UNBOUNDED_BUDGET = 2**62
 _RANDOM_OP_PREFIXES = ("aten::native_dropout", "aten::rand", "aten::bernoulli", "aten::normal",
                        "aten::uniform", "aten::exponential", "aten::multinomial", "aten::poisson",
                        "rngprims::", "prims::inductor_random", "prims::philox")
+
+
+class MemoryModel(enum.Enum):
+    """Which ops of a step store their outputs: how the lowering that runs it allocates."""
+
+    OP_BY_OP = "op_by_op"  # every op (the eager lowering)
+    FUSED_POINTWISE = "fused_pointwise"  # not a pointwise op read by one pointwise op (Inductor)
+
+
+def fused_nodes(nodes: Sequence[fx.Node], model: MemoryModel) -> frozenset[fx.Node]:
+    """The nodes of ``nodes`` that ``model`` computes inside their reader's kernel."""
+    if model is MemoryModel.OP_BY_OP:
+        return frozenset()
+    return frozenset(n for n in nodes if fused_into_reader(n))
 
 
 def is_random(node: fx.Node) -> bool:
@@ -135,15 +158,32 @@ def _alias_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _use_steps(node: fx.Node, step_of: dict[fx.Node, int]) -> set[int]:
-    """Steps reading ``node``'s storage: its users and, through views, their users."""
+def _use_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node] = frozenset()) -> set[int]:
+    """Steps reading ``node``'s storage: its users and, through views, their users. A user in
+    ``fused`` runs inside its reader's kernel, wherever that runs: both its own step (the
+    earliest a rewrite may have to supply the value, as in graph order) and its readers'
+    steps (the latest the value is read) count."""
     steps: set[int] = set()
     stack = [node]
     while stack:
         for user in stack.pop().users:
             if user in step_of:
                 steps.add(step_of[user])
-                if is_alias(user):
+                if is_alias(user) or user in fused:
+                    stack.append(user)
+    return steps
+
+
+def _reader_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node]) -> set[int]:
+    """Steps at which ``node``'s users read it (not through its views), a user in ``fused``
+    also where its own readers run (:func:`_use_steps`)."""
+    steps: set[int] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user in step_of:
+                steps.add(step_of[user])
+                if user in fused:
                     stack.append(user)
     return steps
 
@@ -159,20 +199,21 @@ def _liveness(
     *,
     excluded: set[fx.Node],
     end_step: dict[fx.Node, int],
+    fused: frozenset[fx.Node] = frozenset(),
 ) -> list[tuple[int, int, int]]:
     """(first step, last step, bytes) of every allocating node in ``nodes``, aliases
-    extending their root's lifetime; ``end_step`` forces a later end (outputs)."""
+    extending their root's lifetime; ``end_step`` forces a later end (outputs). Nodes in
+    ``fused`` allocate nothing; what they read is read where their readers run."""
     intervals = []
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
         root = _alias_root(node)
-        for user in node.users:
-            if user in step_of:
-                last_use[root] = max(last_use.get(root, -1), step_of[user])
+        for step in _reader_steps(node, step_of, fused):
+            last_use[root] = max(last_use.get(root, -1), step)
         if node in end_step:
             last_use[root] = max(last_use.get(root, -1), end_step[node])
     for node in nodes:
-        if node in excluded or is_alias(node) or node.op != "call_function":
+        if node in excluded or node in fused or is_alias(node) or node.op != "call_function":
             continue
         start = step_of[node]
         intervals.append((start, max(start, last_use.get(node, start)), node_bytes(node)))
@@ -189,6 +230,7 @@ def build_problem(
     budget: MemoryBudget | None = None,
     offload: bool = False,
     with_min_peak: bool = True,
+    memory_model: MemoryModel = MemoryModel.OP_BY_OP,
 ) -> AdapterResult:
     """The planning problem of one partitioned training step (see the module docstring).
 
@@ -202,6 +244,7 @@ def build_problem(
         offload: allow the "offload" decision (the profile's host-link bandwidth).
         with_min_peak: find ``min_peak_bytes`` (a heuristic run); without it, it is the
             floor (enough for checking a graph's peak, not for fractional budgets).
+        memory_model: which ops store their outputs (the lowering that will run the step).
     """
     fw_nodes = [n for n in fw.graph.nodes if n.op == "call_function"]
     bw_nodes = [n for n in bw.graph.nodes if n.op == "call_function"]
@@ -216,6 +259,7 @@ def build_problem(
     n_steps = len(steps)
     fw_step = {n: i for i, n in enumerate(fw_nodes)}
     bw_step = {n: n_fwd + i for i, n in enumerate(bw_nodes)}
+    fused = fused_nodes([*fw_nodes, *bw_nodes], memory_model)
 
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     params = {placeholders[i] for i in param_input_indices if i < len(placeholders)}
@@ -237,11 +281,11 @@ def build_problem(
     held_by_caller = {_alias_root(n) for n in user_outputs}
     step_end = {n: n_steps - 1 for n in user_outputs}
     counted_as_saved = {n for n in saved_set if _alias_root(n) not in held_by_caller}
-    for lo, hi, nbytes in _liveness(fw_nodes, fw_step, excluded=counted_as_saved, end_step=step_end):
+    for lo, hi, nbytes in _liveness(fw_nodes, fw_step, excluded=counted_as_saved, end_step=step_end, fused=fused):
         _add_interval(baseline, lo, hi, nbytes)
     bw_output = next(n for n in bw.graph.nodes if n.op == "output")
     grads = {n: n_steps - 1 for n in pytree.tree_leaves(bw_output.args[0]) if isinstance(n, fx.Node)}
-    for lo, hi, nbytes in _liveness(bw_nodes, bw_step, excluded=set(), end_step=grads):
+    for lo, hi, nbytes in _liveness(bw_nodes, bw_step, excluded=set(), end_step=grads, fused=fused):
         _add_interval(baseline, lo, hi, nbytes)
     for step, node in enumerate([*fw_nodes, *bw_nodes]):
         baseline[step] += workspace_bytes(node)
@@ -257,9 +301,9 @@ def build_problem(
         is_input = node.op == "placeholder"
         nbytes = 0 if (root in params or root.op == "placeholder" or root in held_by_caller) else node_bytes(node)
         produced = fw_step.get(node, 0)
-        fw_uses = _use_steps(node, fw_step)
+        fw_uses = _use_steps(node, fw_step, fused)
         ph = bw_placeholders.get(node.name)
-        bw_uses = sorted(_use_steps(ph, bw_step)) if ph is not None else []
+        bw_uses = sorted(_use_steps(ph, bw_step, fused)) if ph is not None else []
         closure, inputs, random = ([], [], False) if is_input else _closure(node, saved_set, fw_step)
         closures[node.name] = tuple(n.name for n in closure)
         tensors.append(SavedTensor(

@@ -149,3 +149,13 @@ def test_attention_rates_split_flops_from_passes(monkeypatch):
     rates = cpu._attention_rates()
     assert rates[ATTENTION_RATE] == pytest.approx(flop_rate)
     assert rates[ATTENTION_PASS_RATE] == pytest.approx(1 / pass_s)
+
+
+def test_attention_calibration_times_halving_chunks_and_fits_the_pass_time_over_all():
+    assert cpu.attention_calibration_chunks(8) == [8, 4, 2, 1]
+    assert cpu.attention_calibration_chunks(5) == [5, 3, 2, 1]
+    assert cpu.attention_calibration_chunks(1) == [1]
+    # Times measured on the 2-core host (fwd + bwd, chunks 8, 4, 2, 1: 1, 2, 4, 8 passes per
+    # op): the slope over all four, by hand: sum of (x - 3.75)(y - 11.435) over sum of (x - 3.75)^2 = 17.795 / 28.75.
+    passes, times_ms = [1, 2, 4, 8], [11.06, 9.51, 10.53, 14.64]
+    assert cpu._slope(passes, times_ms) == pytest.approx(17.795 / 28.75)

@@ -71,6 +71,30 @@ def test_a_budget_that_recomputes_marks_the_graphs_and_the_recomputation() -> No
     assert [flag for _, flag in lowered] == [True, True]
 
 
+def test_cpu_graphs_compile_without_inductor_buffer_reuse(monkeypatch) -> None:
+    """Without a budget too: Inductor's buffer reuse held dead fake-quantized GEMM operands of
+    the backward until a buffer of their size came along, across the attention backward (tensor
+    peaks of the small Llama's step, reuse on / off: 72.9 / 62.6 MiB), above the memory plan's
+    keep-everything model. Inductor itself is stubbed: this checks the setting it compiles with."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor import config as inductor_config
+
+    seen = []
+
+    def compile_fx_inner(gm, example_inputs, **kwargs):
+        seen.append(inductor_config.allow_buffer_reuse)
+        return make_boxed_func(gm.forward)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", compile_fx_inner)
+    torch._dynamo.reset()
+    model, x = _mlp(layers=1, width=64, rows=64)
+    compiled = torch.compile(model, backend=functools.partial(compile_graph, config=MXConfig()))
+    compiled(x).square().mean().backward()
+    torch._dynamo.reset()
+    assert seen == [False, False], seen  # forward and backward
+
+
 # --------------------------------------------------------------------------- under Inductor
 # 12 x Linear(256, 256) + GELU on 1024 rows: large enough that Inductor's peak-memory reordering
 # matters (1 MiB activations), small enough to compile in seconds. Peaks are the profiler's
@@ -94,7 +118,9 @@ def _inductor_step(budget, scheduled=None):
 
     torch._dynamo.reset()
     model, x = _mlp(**BIG)
-    config = MXConfig(memory_budget=None if budget is None else MemoryBudget.of_fraction(budget))
+    if budget is not None and not isinstance(budget, MemoryBudget):
+        budget = MemoryBudget.of_fraction(budget)
+    config = MXConfig(memory_budget=budget)
     report = Report(config.to_dict())
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, report=report))
 
@@ -171,11 +197,21 @@ def test_inductor_peak_falls_with_the_budget_and_stays_within_it(inductor_runs) 
 
 
 @pytest.mark.slow
-def test_inductor_at_or_under_torch_at_its_fraction(inductor_runs) -> None:
-    """torch's activation_memory_budget at 0.5 is its lowest peak on this model (0.3 is higher);
-    the mxfp8 step at 0.5 peaks at or under it (before issue 37: 20193280 B against 16777224 B)."""
+def test_inductor_at_or_under_torch_at_matched_bytes(inductor_runs) -> None:
+    """Issue 37's comparison: given as a byte budget what torch's step at activation_memory_budget
+    0.5 (its lowest peak on this model) used, its tensor peak plus the parameters and inputs, the
+    mxfp8 step peaks at or under torch's.
+
+    Equal fractions are not equal bytes: each scales its own range, ours from the lowest peak
+    our plans reach to keeping everything. Until 2026-12-07 this test compared mxfp8 at 0.5 with
+    torch at 0.5 (before issue 37: 20193280 B against 16777224 B). Then the memory model stopped
+    counting the GELU intermediates Inductor never stores: the range shrank to the bytes that
+    exist, and mxfp8's 0.5 keeps more (16875528 B, 0.6% over torch's) for less recomputation."""
     runs, _ = inductor_runs
-    assert runs[TORCH_FRACTION][1] <= _torch_step_peak(TORCH_FRACTION), runs[TORCH_FRACTION][1]
+    torch_peak = _torch_step_peak(TORCH_FRACTION)
+    plan, peak = _inductor_step(MemoryBudget.of_bytes(torch_peak + runs[TORCH_FRACTION][0]["input_bytes"]))
+    assert plan["recomputed"], plan
+    assert peak <= torch_peak, (peak, torch_peak)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from mxcompile.cost.profiles import H100_SXM
 from mxcompile.ops.attention import ATTENTION
 from mxcompile.planner import plan_activation_memory
 from mxcompile.planner.budget import MemoryBudget
-from mxcompile.planner.fx_adapter import build_problem
+from mxcompile.planner.fx_adapter import MemoryModel, build_problem, fused_nodes
 
 M, K, N = 64, 32, 48
 
@@ -148,3 +148,40 @@ def test_user_outputs_and_tangents_are_held_to_the_end_of_the_step() -> None:
     for step in range(problem.n_forward_steps, len(problem.steps)):
         # the caller holds the output through the backward, autograd the tangent
         assert problem.baseline_bytes[step] >= adapted.input_bytes + output_bytes + tangent_bytes, step
+
+
+def _gelu_mlp(x, w):
+    h = x @ w
+    return (h * 0.5 * (1 + torch.erf(h * 0.7071))) @ w.t()
+
+
+def test_the_fused_model_stores_no_pointwise_value_read_by_one_pointwise_op() -> None:
+    """Forward of _gelu_mlp: mm, mul(h, .5), mul_1(h, .7071), erf, add, mul_2, t, mm_1, t_5.
+    mul, mul_1, erf and add each feed one pointwise op, so Inductor computes them inside mul_2's
+    kernel: the fused model drops their bytes (S each: 64 x 48 fp32) from every step they lived
+    in op by op, and h (saved as `mm`) is read where mul_2 runs, not where mul_1 runs."""
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 48, requires_grad=True)
+    fw, bw, n_out = partitioned(_gelu_mlp, x, w)
+    fw_ops = [n for n in fw.graph.nodes if n.op == "call_function"]
+    assert [n.name for n in fw_ops] == ["mm", "mul", "mul_1", "erf", "add", "mul_2", "t", "mm_1", "t_5"]
+    assert {n.name for n in fused_nodes(fw_ops, MemoryModel.FUSED_POINTWISE)} == {"mul", "mul_1", "erf", "add"}
+    assert not fused_nodes(fw_ops, MemoryModel.OP_BY_OP)
+
+    def adapt(model):
+        return build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM,
+                             memory_model=model)
+
+    op_by_op, fused = adapt(MemoryModel.OP_BY_OP), adapt(MemoryModel.FUSED_POINTWISE)
+    size = 64 * 48 * 4
+    # live op by op at steps 1..5: {mul}, {mul, mul_1}, {mul, mul_1, erf}, {mul, erf, add}, {mul, add}
+    assert [a - b for a, b in zip(op_by_op.problem.baseline_bytes[1:6], fused.problem.baseline_bytes[1:6])] == [
+        size, 2 * size, 3 * size, 3 * size, 2 * size]
+    h = {m: next(t for t in a.problem.tensors if t.name == "mm") for m, a in (("op", op_by_op), ("fused", fused))}
+    assert (h["op"].last_forward_use, h["fused"].last_forward_use) == (2, 5)
+    # backward: h is read by mul and mul_1; mul feeds mul_3 -> mul_6 -> mul_7 -> add_1 (stored)
+    bw_ops = [n.name for n in bw.graph.nodes if n.op == "call_function"]
+    step = {name: op_by_op.problem.n_forward_steps + i for i, name in enumerate(bw_ops)}
+    assert h["op"].first_backward_use == h["fused"].first_backward_use == step["mul"]
+    assert (h["op"].last_backward_use, h["fused"].last_backward_use) == (step["mul_1"], step["add_1"])
+    assert fused.keep_all_peak_bytes < op_by_op.keep_all_peak_bytes
