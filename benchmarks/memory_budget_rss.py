@@ -9,9 +9,10 @@ Models (``mxcompile.measure.steps.MODELS``): ``mlp-12`` is the issue's new user'
 ``Linear(1024, 1024)`` + GELU, input 4096 x 1024 fp32, loss ``out.square().mean()``);
 ``gpt-small`` and ``llama-small`` are the built-in GPT and a small HF Llama.
 
-Rows, each measured in a fresh Python process (:func:`mxcompile.measure.steps.measure_step`:
-``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors leave the resident set; ``--warmup`` untimed
-steps, the first compiles; then ``--steps`` timed steps and the measured one):
+Rows, each measured in a fresh Python process (``--peak-runs N``: in N of them, the medians;
+:func:`mxcompile.measure.steps.measure_step`: ``MALLOC_MMAP_THRESHOLD_=65536``, so freed
+tensors leave the resident set; ``--warmup`` untimed steps, the first compiles; then
+``--steps`` timed steps and the measured one):
 
 * torch: ``torch.compile(model)`` (Inductor; ``--lower eager``: ``aot_eager_decomp_partition``)
   with no budget and with ``activation_memory_budget`` = each fraction;
@@ -81,6 +82,7 @@ class Row:
     predicted_bytes: int | None = None  # the plan's modelled peak of the rewritten graphs
     estimate_s: float | None = None  # the plan's estimated extra time over the step without a budget
     held_bytes: int | None = None  # parameters + inputs
+    rss_runs: list[int] | None = None  # the resident peak of each fresh process (rss_bytes: their median)
     error: str = ""
 
 
@@ -90,16 +92,24 @@ def _short(err: BaseException) -> str:
     return tail[-1][:300]
 
 
-def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, steps: int) -> Row:
+def measure(row: Row, factory: str, kwargs: dict[str, Any], *, warmup: int, steps: int, runs: int = 1) -> Row:
+    """The row's peaks, each measured in ``runs`` fresh processes: the median resident peak (a
+    process's heap layout moves it by a few percent: 47.6 and 49.8 MiB for the same graphs of
+    the small GPT, whose tensor peaks were equal to the byte) and the median tensor peak."""
     from mxcompile.measure.steps import measure_step
 
+    rss, tensor = [], []
     try:
-        peak, timing = measure_step(factory, kwargs, warmup_steps=warmup, time_steps=steps)
+        for _ in range(runs):
+            peak, timing = measure_step(factory, kwargs, warmup_steps=warmup, time_steps=steps)
+            rss.append(peak.step_peak_bytes)
+            tensor.append(peak.tensor_peak_bytes)
+            row.first_s = timing["first_s"] if row.first_s is None else row.first_s
     except (RuntimeError, OSError, ValueError) as err:
         row.error = _short(err)
         return row
-    row.rss_bytes, row.tensor_bytes = peak.step_peak_bytes, peak.tensor_peak_bytes
-    row.first_s = timing["first_s"]
+    row.rss_runs = rss
+    row.rss_bytes, row.tensor_bytes = int(statistics.median(rss)), int(statistics.median(tensor))
     return row
 
 
@@ -201,7 +211,7 @@ def plan(row: Row, model: str, budget: Any, batch_size: int, lower: str) -> Row:
 
 def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fractions: tuple[float, ...],
               batch_size: int, warmup: int, steps: int, rounds: int, log: Any,
-              timing_only: bool = False) -> list[Row]:
+              timing_only: bool = False, peak_runs: int = 1) -> list[Row]:
     """The rows of one model: each row's peaks in a fresh process (unless ``timing_only``),
     then every row's step time in one round-robin process. Matched rows need torch's measured
     peaks, so ``timing_only`` has none."""
@@ -212,7 +222,7 @@ def run_model(model: str, *, lower: str, fractions: tuple[float, ...], torch_fra
     def run(row: Row, factory: str, kwargs: dict[str, Any]) -> Row:
         started = time.perf_counter()
         if not timing_only:
-            measure(row, factory, kwargs, warmup=warmup, steps=steps)
+            measure(row, factory, kwargs, warmup=warmup, steps=steps, runs=peak_runs)
         log(f"  {model} {lower} {row.backend} {row.budget}: {time.perf_counter() - started:.0f} s"
             + (f" ({row.error})" if row.error else ""))
         rows.append(row)
@@ -328,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, default=2, help="steps before the one whose peak is measured")
     parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds of step timing")
+    parser.add_argument("--peak-runs", type=int, default=1,
+                        help="fresh processes per row whose peaks are measured (the median is reported)")
     parser.add_argument("--timing-only", action="store_true",
                         help="no peak measurements (and no matched rows): the plans and the step times only")
     parser.add_argument("--refresh-profile", action="store_true",
@@ -347,18 +359,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # runs: a profile first measured inside a row's process, beside another compiling one,
     # priced bf16 GEMMs at a third of their quiet rate (2026-12-07).
     profile = measure_cpu_profile(refresh=args.refresh_profile)
-    print(f"memory budgets on CPU, fresh process per row, batch {args.batch}, peak of step {args.warmup + args.steps + 1}; "
+    print(f"memory budgets on CPU, {args.peak_runs} fresh process(es) per row (median), batch {args.batch}, "
+          f"peak of step {args.warmup + args.steps + 1}; "
           f"step times: {args.rounds} round-robin rounds after {args.warmup} warm-up, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, load {load:.1f} before")
     results: dict[str, Any] = {"command": [sys.executable, *sys.argv], "torch": torch.__version__,
                                "threads": torch.get_num_threads(), "load_before": load, "batch": args.batch,
-                               "rounds": args.rounds, "timing_only": args.timing_only,
+                               "rounds": args.rounds, "timing_only": args.timing_only, "peak_runs": args.peak_runs,
                                "cpu_profile": profile.to_dict(), "runs": {}}
     for lower in args.lower:
         for model in args.models:
             rows = run_model(model, lower=lower, fractions=fractions, torch_fractions=torch_fractions,
                              batch_size=args.batch, warmup=args.warmup, steps=args.steps,
-                             rounds=args.rounds, timing_only=args.timing_only,
+                             rounds=args.rounds, timing_only=args.timing_only, peak_runs=args.peak_runs,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
             verdict = verdicts(rows)
             print(f"\n== {model}, {lower} ==")

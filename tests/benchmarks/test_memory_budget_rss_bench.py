@@ -73,3 +73,24 @@ def test_round_robin_times_every_row_compiled(monkeypatch):
     rows = 9
     times = _module().time_round_robin([("step_factories:compiled_linear_step", {})] * rows, warmup=1, rounds=2)
     assert len(times) == rows and all(len(t) == 2 and min(t) > 0 for t in times)
+
+
+def test_a_row_measured_in_several_processes_reports_the_medians(monkeypatch) -> None:
+    """``--peak-runs``: one fresh process per run (stubbed here), the medians reported, every
+    run's resident peak kept."""
+    import types
+
+    import mxcompile.measure.steps as steps
+
+    bench = _module()
+    peaks = iter([(50, 70), (47, 70), (49, 71)])
+
+    def measure_step(factory, kwargs, *, warmup_steps, time_steps):
+        rss, tensor = next(peaks)
+        return types.SimpleNamespace(step_peak_bytes=rss * MIB, tensor_peak_bytes=tensor * MIB), {"first_s": 1.0}
+
+    monkeypatch.setattr(steps, "measure_step", measure_step)
+    row = bench.measure(bench.Row("mxfp8", "none"), "factory", {}, warmup=1, steps=2, runs=3)
+    assert (row.rss_bytes, row.tensor_bytes) == (49 * MIB, 70 * MIB)
+    assert row.rss_runs == [50 * MIB, 47 * MIB, 49 * MIB]
+    assert row.first_s == 1.0
