@@ -291,8 +291,8 @@ def _measure_cpu() -> DeviceProfile:
                 f"chunk, less the time of its passes"
             ),
             **({f"op_rates.{ATTENTION_PASS_RATE}": (
-                f"{where}: passes/s of the same ops: extra passes over extra time, one-element batch chunks "
-                f"against one chunk"
+                f"{where}: passes/s of the same ops: one over the least-squares slope of their time over "
+                f"their passes, at batch chunks {attention_calibration_chunks(CPU_ATTENTION_SHAPE[0])}"
             )} if ATTENTION_PASS_RATE in attention_rates else {}),
         },
     )

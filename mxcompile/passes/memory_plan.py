@@ -375,7 +375,8 @@ def plan_and_partition(
     entry = plan_report(plan, adapted, profile=profile)
     entry.update(budget_bytes=budget, planned_for_bytes=plan.budget_bytes, plan_rounds=rounds,
                  realized_peak_bytes=peak, realized_saved_bytes=sum(t.nbytes for t in realized.problem.tensors),
-                 budget_met=peak <= budget, memory_model=memory_model.value, hoisted_saved_values=hoisted, **_chunk_report(plan, chunks))
+                 budget_met=peak <= budget, memory_model=memory_model.value, hoisted_saved_values=hoisted,
+                 **_chunk_report(plan, chunks))
     if peak > budget:
         warnings.warn(
             f"memory plan: the rewritten graphs' modelled peak {peak} B exceeds memory_budget {budget} B after "

@@ -158,32 +158,19 @@ def _alias_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _use_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node] = frozenset()) -> set[int]:
-    """Steps reading ``node``'s storage: its users and, through views, their users. A user in
-    ``fused`` runs inside its reader's kernel, wherever that runs: both its own step (the
-    earliest a rewrite may have to supply the value, as in graph order) and its readers'
-    steps (the latest the value is read) count."""
+def _use_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node] = frozenset(), *,
+               through_views: bool = True) -> set[int]:
+    """Steps reading ``node``'s storage: its users and, ``through_views``, the users of its
+    views. A user in ``fused`` runs inside its reader's kernel, wherever that runs: both its
+    own step (the earliest a rewrite may have to supply the value, as in graph order) and its
+    readers' steps (the latest the value is read) count."""
     steps: set[int] = set()
     stack = [node]
     while stack:
         for user in stack.pop().users:
             if user in step_of:
                 steps.add(step_of[user])
-                if is_alias(user) or user in fused:
-                    stack.append(user)
-    return steps
-
-
-def _reader_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node]) -> set[int]:
-    """Steps at which ``node``'s users read it (not through its views), a user in ``fused``
-    also where its own readers run (:func:`_use_steps`)."""
-    steps: set[int] = set()
-    stack = [node]
-    while stack:
-        for user in stack.pop().users:
-            if user in step_of:
-                steps.add(step_of[user])
-                if user in fused:
+                if user in fused or (through_views and is_alias(user)):
                     stack.append(user)
     return steps
 
@@ -208,7 +195,7 @@ def _liveness(
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
         root = _alias_root(node)
-        for step in _reader_steps(node, step_of, fused):
+        for step in _use_steps(node, step_of, fused, through_views=False):  # views are their own nodes here
             last_use[root] = max(last_use.get(root, -1), step)
         if node in end_step:
             last_use[root] = max(last_use.get(root, -1), end_step[node])
