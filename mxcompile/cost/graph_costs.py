@@ -106,6 +106,14 @@ def is_alias(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node whose output ``node`` views: back through aliases (:func:`is_alias`) to the
+    first node that is not one (``node`` itself if it is not an alias)."""
+    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 # Scratch bytes of the MX attention ops per batch element, times the batch elements the CPU ops
 # run at a time (their `batch_chunk` argument): fp32 copies of one element's query (heads x
 # seq_q x head_dim) plus fp32 copies of one element's score tile (heads x seq_q x

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..cost.graph_costs import is_alias, node_bytes
+from ..cost.graph_costs import alias_root, is_alias, node_bytes
 from ..planner.fx_adapter import is_random
 
 
@@ -55,12 +55,6 @@ def _exclusive_views(node: fx.Node) -> list[fx.Node]:
     return sorted(chain, key=position.__getitem__)
 
 
-def _root(node: fx.Node) -> fx.Node:
-    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _readers(node: fx.Node, members: set[fx.Node]) -> list[fx.Node]:
     """The nodes reading ``node``'s storage: its users, through views not in ``members``."""
     readers: list[fx.Node] = []
@@ -74,7 +68,7 @@ def _freed_bytes(moved: Sequence[fx.Node], position: dict[fx.Node, int]) -> int:
     moving ``moved`` earlier frees them earlier. Graph inputs are held by the caller anyway."""
     last = max(position[n] for n in moved)
     members = set(moved)
-    roots = {_root(arg) for n in moved for arg in n.all_input_nodes if arg not in members}
+    roots = {alias_root(arg) for n in moved for arg in n.all_input_nodes if arg not in members}
     return sum(node_bytes(root) for root in roots
                if root.op == "call_function" and all(position[r] <= last for r in _readers(root, members)))
 

@@ -61,7 +61,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..cost.graph_costs import fused_into_reader, fused_run_time_s, is_alias, node_bytes, node_time_s, workspace_bytes
+from ..cost.graph_costs import (alias_root, fused_into_reader, fused_run_time_s, is_alias, node_bytes, node_time_s,
+                                workspace_bytes)
 from ..cost.profiles import DeviceProfile
 from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
@@ -152,12 +153,6 @@ def _saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Any]:
     return pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
 
 
-def _alias_root(node: fx.Node) -> fx.Node:
-    while is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _use_steps(node: fx.Node, step_of: dict[fx.Node, int], fused: frozenset[fx.Node] = frozenset(), *,
                through_views: bool = True) -> set[int]:
     """Steps reading ``node``'s storage: its users and, ``through_views``, the users of its
@@ -194,7 +189,7 @@ def _liveness(
     intervals = []
     last_use: dict[fx.Node, int] = {}
     for node in nodes:
-        root = _alias_root(node)
+        root = alias_root(node)
         for step in _use_steps(node, step_of, fused, through_views=False):  # views are their own nodes here
             last_use[root] = max(last_use.get(root, -1), step)
         if node in end_step:
@@ -265,9 +260,9 @@ def build_problem(
     # holds the tangents until the backward returns: both count to the end of the step. A saved
     # tensor in the storage of a user output is counted there (deciding about it frees nothing).
     baseline = [param_bytes + caller_bytes] * n_steps
-    held_by_caller = {_alias_root(n) for n in user_outputs}
+    held_by_caller = {alias_root(n) for n in user_outputs}
     step_end = {n: n_steps - 1 for n in user_outputs}
-    counted_as_saved = {n for n in saved_set if _alias_root(n) not in held_by_caller}
+    counted_as_saved = {n for n in saved_set if alias_root(n) not in held_by_caller}
     for lo, hi, nbytes in _liveness(fw_nodes, fw_step, excluded=counted_as_saved, end_step=step_end, fused=fused):
         _add_interval(baseline, lo, hi, nbytes)
     bw_output = next(n for n in bw.graph.nodes if n.op == "output")
@@ -284,7 +279,7 @@ def build_problem(
     tensors: list[SavedTensor] = []
     closures: dict[str, tuple[str, ...]] = {}
     for node in saved:
-        root = _alias_root(node)
+        root = alias_root(node)
         is_input = node.op == "placeholder"
         nbytes = 0 if (root in params or root.op == "placeholder" or root in held_by_caller) else node_bytes(node)
         produced = fw_step.get(node, 0)
@@ -407,12 +402,12 @@ def replay_peak_bytes(closure: Sequence[fx.Node]) -> int:
     last_read: dict[fx.Node, int] = {}
     for node in closure:
         for arg in node.all_input_nodes:
-            root = _alias_root(arg)
+            root = alias_root(arg)
             if root in members:
                 last_read[root] = max(last_read.get(root, -1), position[node])
     frees: dict[int, int] = {}
     for root, index in last_read.items():
-        if root is not _alias_root(closure[-1]) and not is_alias(root):
+        if root is not alias_root(closure[-1]) and not is_alias(root):
             frees[index] = frees.get(index, 0) + node_bytes(root)
     live = peak = 0
     for index, node in enumerate(closure):
