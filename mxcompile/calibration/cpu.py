@@ -26,21 +26,24 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import MXConfig
 from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
-from ..cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from ..cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, FP32_BYTES, QUANTIZE_RATE,
+                             DeviceProfile)
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_reference import default_key_tile
+from ..numerics import E8M0_BIAS, dequantize_along, elem_format
 from ..ops.quantize import QUANTIZE
 
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 7  # bump when the measurement (or a measured op) changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 8  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
 CPU_LLC_COPIES = 4  # ...which is at least this many last-level caches, so DRAM is timed, not the cache
 LLC_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
 CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the quantize op timed for op_rates["quantize"]
+# (and the fp8 operand whose reference dequantize to fp32 is timed for op_rates["dequantize"])
 CPU_ATTENTION_SHAPE = (8, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for the attention op_rates
 # The whole-batch time's least share priced as FLOPs: a noisy pass time never takes it all.
 ATTENTION_MIN_FLOP_SHARE = 0.5
@@ -241,6 +244,23 @@ def _compiled_quantize_rate() -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1])["elements_per_s"])
 
 
+def _reference_dequantize_rate() -> float:
+    """Operand elements/s of the MX GEMM reference's dequantize (`numerics.dequantize_along`, op
+    by op, to fp32) on a ``CPU_QUANTIZE_SHAPE`` fp8 tensor with its block scales, along each axis
+    (the reference dequantizes A along its last axis and B along its first), the mean of the two
+    times."""
+    config = MXConfig()
+    data = torch.randn(CPU_QUANTIZE_SHAPE).to(elem_format(config.forward_elem).dtype)
+    times = []
+    for axis in range(data.ndim):
+        scale_shape = list(data.shape)
+        scale_shape[axis] //= config.block_size
+        scales = torch.full(scale_shape, E8M0_BIAS, dtype=torch.uint8)  # scale 1
+        times.append(_best_over_threads(
+            functools.partial(dequantize_along, data, scales, axis, config.block_size, torch.float32)))
+    return data.numel() / statistics.fmean(times)
+
+
 def _measure_cpu() -> DeviceProfile:
     n = CPU_MATMUL_SIZE
     thread_counts = sorted({1, torch.get_num_threads()})
@@ -264,7 +284,8 @@ def _measure_cpu() -> DeviceProfile:
         peak_flops=flops,
         memory_bandwidth=COPY_TRAFFIC_FACTOR * nbytes / copy_time,
         host_link_bandwidth=nbytes / copy_time,
-        op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), **attention_rates},
+        op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), DEQUANTIZE_RATE: _reference_dequantize_rate(),
+                  **attention_rates},
         native_fp8_gemm=False,
         sources={
             "peak_flops.fp32": f"{where}: best of repeated {n}x{n} fp32 torch.mm",
@@ -284,6 +305,10 @@ def _measure_cpu() -> DeviceProfile:
             f"op_rates.{QUANTIZE_RATE}": (
                 f"{where}: input elements/s of mxcompile::quantize compiled by Inductor "
                 f"(fp32 {CPU_QUANTIZE_SHAPE}, mean over both axes), timed in a fresh process with its default threads"
+            ),
+            f"op_rates.{DEQUANTIZE_RATE}": (
+                f"{where}: fp8 elements/s of the MX GEMM reference's operand dequantize to fp32 "
+                f"(numerics.dequantize_along, eager; {CPU_QUANTIZE_SHAPE}, mean over both axes)"
             ),
             f"op_rates.{ATTENTION_RATE}": (
                 f"{where}: FLOP/s of the eager mxcompile::attention forward and backward (the ops Inductor "

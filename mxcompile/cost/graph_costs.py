@@ -31,8 +31,11 @@ Conventions
       compiled quantize runs scalar element loops, its attention op is eager torch code), the
       op takes at least its elements or FLOPs at that rate; the attention ops add the fixed
       time of their passes (one per key tile of each batch chunk, :func:`attention_passes`).
-      A recomputation is priced as Inductor runs it, pointwise chains fused
-      (:func:`fused_run_time_s`).
+      Run by the eager lowering, an ``mx_mm`` is its torch reference, which first dequantizes
+      both operands op by op: priced at the measured ``dequantize`` rate on top
+      (:func:`reference_dequantize_time_s`). A recomputation is priced as its lowering runs
+      it: under Inductor with pointwise chains fused (:func:`fused_run_time_s`), eagerly op by
+      op (:func:`op_by_op_run_time_s`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch.fx as fx
 
 from ..graph_meta import concrete_int, value_device
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
-from .profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from .profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
 
 FLOPS_PER_MULTIPLY_ADD = 2
 MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
@@ -352,9 +355,15 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
     return "fp32"
 
 
-def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
+def node_time_s(node: fx.Node, profile: DeviceProfile, *, reference_mx_gemm: bool = False) -> float:
     """Estimate of ``node``'s run time on ``profile``, in seconds: the roofline, and at least
-    the op's measured rate where the profile has one (see the conventions)."""
+    the op's measured rate where the profile has one (see the conventions).
+
+    ``reference_mx_gemm``: an ``mxcompile::mx_mm`` runs as its torch reference (the eager
+    lowering's), which dequantizes both operands op by op before its GEMM: their time at the
+    profile's measured ``dequantize`` rate is added (:func:`reference_dequantize_time_s`)."""
+    if reference_mx_gemm and _is_mx_mm(node):
+        return node_time_s(node, profile) + reference_dequantize_time_s(node, profile)
     flops = node_flops(node)
     compute = flops / profile.flops(flops_dtype_key(node, profile)) if flops else 0.0
     memory = bytes_moved(node) / profile.memory_bandwidth
@@ -365,6 +374,23 @@ def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     elif name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME) and ATTENTION_RATE in profile.op_rates:
         measured = flops / profile.op_rates[ATTENTION_RATE] + attention_pass_time_s(node, profile)
     return max(compute, memory, measured)
+
+
+def reference_dequantize_time_s(node: fx.Node, profile: DeviceProfile) -> float:
+    """The time the torch reference of an ``mxcompile::mx_mm`` spends dequantizing its two
+    operands, at the profile's measured ``dequantize`` rate; 0 for any other node or where the
+    profile has no such rate (on CUDA the op runs as a Triton MX GEMM)."""
+    rate = profile.op_rates.get(DEQUANTIZE_RATE)
+    if not rate or not _is_mx_mm(node):
+        return 0.0
+    return (_numel(node.args[0]) + _numel(node.args[2])) / rate
+
+
+def op_by_op_run_time_s(nodes: list[fx.Node], profile: DeviceProfile) -> float:
+    """Estimate of running ``nodes`` one op after another, as the eager lowering runs them: no
+    fusion, and each MX GEMM as its torch reference (:func:`node_time_s` with
+    ``reference_mx_gemm``). The counterpart of :func:`fused_run_time_s` (Inductor)."""
+    return sum(node_time_s(node, profile, reference_mx_gemm=True) for node in nodes)
 
 
 def attention_passes(node: fx.Node, chunk: int | None = None) -> int:

@@ -31,7 +31,11 @@ ATTENTION_RATE = "attention"  # op_rates key: FLOP/s of mxcompile::attention (gr
 # one key tile of one batch chunk (graph_costs.attention_passes): each pass runs a fixed list of
 # eager ops whatever the chunk, so one-element chunks cost time beyond their FLOPs.
 ATTENTION_PASS_RATE = "attention_pass"
-OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE, ATTENTION_PASS_RATE)
+# op_rates key: elements/s of an MX GEMM operand's dequantize in the op's torch reference
+# (numerics.dequantize_along, op by op), which every mxcompile::mx_mm runs on CPU under the eager
+# lowering: 1 ms for a 256 x 1024 operand on the 2-core host, where the GEMM itself takes 2.
+DEQUANTIZE_RATE = "dequantize"
+OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE, ATTENTION_PASS_RATE, DEQUANTIZE_RATE)
 
 TERA = 1e12
 PETA = 1e15
@@ -57,7 +61,7 @@ class DeviceProfile:
             "host_link_bandwidth", "op_rates.<op>", one per number.
         op_rates: measured throughput of MX ops that run below the roofline on this device
             (keys :data:`OP_RATE_KEYS`: "quantize" in input elements/s, "attention" in FLOP/s,
-            "attention_pass" in passes/s);
+            "attention_pass" in passes/s, "dequantize" in operand elements/s);
             empty: price them by the roofline.
         native_fp8_gemm: whether the device multiplies FP8 in hardware. Without (CPUs), an MX
             GEMM runs as a GEMM of its dequantized operands, at their dtype's rate.

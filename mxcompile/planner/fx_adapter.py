@@ -23,8 +23,10 @@ Saved tensors (the decision variables)
     ``first_backward_use`` / ``last_backward_use`` are the backward steps reading its
     placeholder. Recomputing a tensor replays its forward *closure*: the producer and every
     forward node back to the nearest saved tensors or graph inputs (``recompute_inputs``);
-    its cost is the closure's estimated time with its pointwise chains fused, as Inductor runs
-    it (:func:`~mxcompile.cost.graph_costs.fused_run_time_s`), and its ``recompute_work_bytes`` the peak bytes
+    its cost is the closure's estimated time as the lowering runs it (:meth:`MemoryModel.run_time_s`:
+    under Inductor with its pointwise chains fused, :func:`~mxcompile.cost.graph_costs.fused_run_time_s`;
+    op by op with each MX GEMM as its torch reference,
+    :func:`~mxcompile.cost.graph_costs.op_by_op_run_time_s`), and its ``recompute_work_bytes`` the peak bytes
     of the closure's intermediates during the replay (each freed after its last use inside
     the closure) beyond the tensor itself. A closure with a random op (``native_dropout``,
     ``rand*``, ``bernoulli``...) is not recomputable.
@@ -62,7 +64,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..cost.graph_costs import (alias_root, fused_into_reader, fused_run_time_s, is_alias, node_bytes, node_time_s,
-                                workspace_bytes)
+                                op_by_op_run_time_s, workspace_bytes)
 from ..cost.profiles import DeviceProfile
 from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
@@ -78,10 +80,23 @@ _RANDOM_OP_PREFIXES = ("aten::native_dropout", "aten::rand", "aten::bernoulli", 
 
 
 class MemoryModel(enum.Enum):
-    """Which ops of a step store their outputs: how the lowering that runs it allocates."""
+    """How the lowering that runs a step executes it: which ops store their outputs, and so how
+    its ops and recomputations are timed."""
 
-    OP_BY_OP = "op_by_op"  # every op (the eager lowering)
-    FUSED_POINTWISE = "fused_pointwise"  # not a pointwise op read by one pointwise op (Inductor)
+    # every op stores its output, and runs alone (the eager lowering; MX GEMMs as their reference)
+    OP_BY_OP = "op_by_op"
+    # not a pointwise op read by one pointwise op; pointwise chains run fused (Inductor)
+    FUSED_POINTWISE = "fused_pointwise"
+
+    def step_time_s(self, node: fx.Node, profile: DeviceProfile) -> float:
+        """The estimated time of one op of the step."""
+        return node_time_s(node, profile, reference_mx_gemm=self is MemoryModel.OP_BY_OP)
+
+    def run_time_s(self, nodes: list[fx.Node], profile: DeviceProfile) -> float:
+        """The estimated time of running ``nodes`` (a recomputation's closure, in graph order)."""
+        if self is MemoryModel.OP_BY_OP:
+            return op_by_op_run_time_s(nodes, profile)
+        return fused_run_time_s(nodes, profile)
 
 
 def fused_nodes(nodes: Sequence[fx.Node], model: MemoryModel) -> frozenset[fx.Node]:
@@ -236,8 +251,8 @@ def build_problem(
             "memory planner needs both phases (is this an inference graph?); unset memory_budget for it"
         )
     n_fwd = len(fw_nodes)
-    steps = [Step(n.name, FORWARD, node_time_s(n, profile)) for n in fw_nodes]
-    steps += [Step(n.name, BACKWARD, node_time_s(n, profile)) for n in bw_nodes]
+    steps = [Step(n.name, FORWARD, memory_model.step_time_s(n, profile)) for n in fw_nodes]
+    steps += [Step(n.name, BACKWARD, memory_model.step_time_s(n, profile)) for n in bw_nodes]
     n_steps = len(steps)
     fw_step = {n: i for i, n in enumerate(fw_nodes)}
     bw_step = {n: n_fwd + i for i, n in enumerate(bw_nodes)}
@@ -295,7 +310,7 @@ def build_problem(
             last_forward_use=max([produced, *fw_uses]),
             first_backward_use=bw_uses[0] if bw_uses else n_fwd,
             last_backward_use=bw_uses[-1] if bw_uses else n_fwd,
-            recompute_cost_s=fused_run_time_s(closure, profile),
+            recompute_cost_s=memory_model.run_time_s(closure, profile),
             recompute_inputs=tuple(i.name for i in inputs),
             recomputable=not (is_input or random),
             offloadable=nbytes > 0,

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from mxcompile.calibration import cpu
 from mxcompile.calibration.cpu import measure_cpu_profile
-from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, OP_RATE_KEYS, QUANTIZE_RATE, DeviceProfile
+from mxcompile.cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, OP_RATE_KEYS, QUANTIZE_RATE,
+                                     DeviceProfile)
 
 
 @pytest.fixture
@@ -71,8 +72,9 @@ def test_cpu_profile_prices_mx_ops_as_measured(tmp_path, monkeypatch, quick_meas
     profile = measure_cpu_profile()
     assert not profile.native_fp8_gemm
     # The pass rate is omitted where one-element chunks measured no slower.
-    assert {QUANTIZE_RATE, ATTENTION_RATE} <= set(profile.op_rates) <= set(OP_RATE_KEYS)
+    assert {QUANTIZE_RATE, ATTENTION_RATE, DEQUANTIZE_RATE} <= set(profile.op_rates) <= set(OP_RATE_KEYS)
     assert "mxcompile::attention" in profile.sources["op_rates.attention"]
+    assert "dequantize_along" in profile.sources[f"op_rates.{DEQUANTIZE_RATE}"]
     assert DeviceProfile.from_dict(json.loads((tmp_path / "cpu_profile.json").read_text())["profile"]) == profile
 
 

@@ -10,8 +10,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from mxcompile.config import MXConfig
 from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved,
-                                        fused_run_time_s, node_flops, node_time_s, value_bytes, workspace_bytes)
-from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, QUANTIZE_RATE, DeviceProfile
+                                        fused_run_time_s, node_flops, node_time_s, op_by_op_run_time_s,
+                                        reference_dequantize_time_s, value_bytes, workspace_bytes)
+from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, QUANTIZE_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from mxcompile.ops.attention_reference import default_key_tile
 from mxcompile.ops.mx_mm import MX_MM
@@ -80,6 +81,25 @@ def test_mx_mm_priced_at_fp8_only_with_fp8_gemms(mx_nodes):
     assert node_time_s(mm, _profile(**slow_memory)) == pytest.approx(flops / (40 * GIGA))
     # Without FP8 GEMMs (a CPU) an fp32-output MX GEMM multiplies fp32 operands: the fp32 rate.
     assert node_time_s(mm, _profile(native_fp8_gemm=False, **slow_memory)) == pytest.approx(flops / (10 * GIGA))
+
+
+def test_mx_mm_run_as_its_reference_adds_its_operands_dequantize(mx_nodes):
+    """The eager lowering runs an MX GEMM as its torch reference, which dequantizes A (M x K) and
+    B (K x N) op by op before the GEMM (on the 2-core host about as long as the GEMM): priced
+    at the measured dequantize rate on top of the GEMM, and only when asked for and measured."""
+    mm, quantize = mx_nodes["mxcompile::mx_mm"], mx_nodes["mxcompile::quantize"]
+    rate = 1e6  # operand elements/s
+    profile = _profile(native_fp8_gemm=False, op_rates={DEQUANTIZE_RATE: rate})
+    dequantize_s = (M * K + K * N) / rate
+    assert reference_dequantize_time_s(mm, profile) == pytest.approx(dequantize_s)
+    assert node_time_s(mm, profile, reference_mx_gemm=True) == pytest.approx(node_time_s(mm, profile) + dequantize_s)
+    assert node_time_s(quantize, profile, reference_mx_gemm=True) == node_time_s(quantize, profile)
+    unmeasured = _profile(native_fp8_gemm=False)  # e.g. CUDA: the op is a Triton MX GEMM
+    assert node_time_s(mm, unmeasured, reference_mx_gemm=True) == node_time_s(mm, unmeasured)
+    # Op by op, the quantizes and the reference GEMM each at their own price, nothing fused.
+    nodes = [n for n in mm.graph.nodes if n.op == "call_function"]
+    expected = sum(node_time_s(n, profile) for n in nodes) + dequantize_s
+    assert op_by_op_run_time_s(nodes, profile) == pytest.approx(expected)
 
 
 def test_attention_priced_by_its_gemm_flops_and_measured_rate():
@@ -216,6 +236,8 @@ def test_a_recomputation_is_priced_with_its_pointwise_chains_fused():
     assert fused_run_time_s(nodes, profile) == pytest.approx(expected)
     # Each op alone: x read and written by half, erf and add, gated reads two and writes one: 9 passes.
     assert sum(node_time_s(n, profile) for n in nodes) == pytest.approx(9 * x_bytes / 1e9 + node_time_s(mm, profile))
+    # Run op by op (the eager lowering) every op pays alone.
+    assert op_by_op_run_time_s(nodes, profile) == pytest.approx(sum(node_time_s(n, profile) for n in nodes))
     # Ending at the pointwise `gated`: the same three passes, the result written once.
     assert fused_run_time_s(nodes[:4], profile) == pytest.approx(3 * x_bytes / 1e9)
     assert fused_run_time_s([half], profile) == pytest.approx(node_time_s(half, profile))

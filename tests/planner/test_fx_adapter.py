@@ -185,3 +185,39 @@ def test_the_fused_model_stores_no_pointwise_value_read_by_one_pointwise_op() ->
     assert h["op"].first_backward_use == h["fused"].first_backward_use == step["mul"]
     assert (h["op"].last_backward_use, h["fused"].last_backward_use) == (step["mul_1"], step["add_1"])
     assert fused.keep_all_peak_bytes < op_by_op.keep_all_peak_bytes
+
+
+def test_each_lowering_times_an_mx_gemm_as_it_runs_it() -> None:
+    """Op by op (the eager lowering) an MX GEMM runs as its torch reference, dequantizing both
+    operands first; under Inductor its operands are fake-quantized inside the GEMM's graph. So
+    only the op-by-op model adds the profile's measured dequantize time, to the step and to a
+    recomputation that replays it."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from mxcompile.config import MXConfig
+    from mxcompile.cost.graph_costs import fused_run_time_s, node_time_s, reference_dequantize_time_s
+    from mxcompile.cost.profiles import DEQUANTIZE_RATE, DeviceProfile
+    from mxcompile.ops.mx_mm import MX_MM
+    from mxcompile.ops.quantize import QUANTIZE
+
+    config = MXConfig()
+
+    def quantize_and_mm(x, w):
+        a, a_scale = QUANTIZE(x, 1, config.forward_elem.value, config.scale_mode.value, config.block_size)
+        b, b_scale = QUANTIZE(w, 0, config.forward_elem.value, config.scale_mode.value, config.block_size)
+        return MX_MM(a, a_scale, b, b_scale, config.block_size, torch.float32)
+
+    gm = fx.symbolic_trace(quantize_and_mm)
+    FakeTensorProp(gm).propagate(torch.randn(M, K), torch.randn(K, N))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    mm = next(n for n in nodes if n.target is MX_MM)
+    rates = {**H100_SXM.to_dict(), "op_rates": {DEQUANTIZE_RATE: 1e6},
+             "sources": {**H100_SXM.sources, f"op_rates.{DEQUANTIZE_RATE}": "synthetic"}}
+    profile = DeviceProfile.from_dict(rates)
+    dequantize_s = (M * K + K * N) / 1e6
+    assert reference_dequantize_time_s(mm, profile) == dequantize_s
+    assert MemoryModel.FUSED_POINTWISE.step_time_s(mm, profile) == node_time_s(mm, profile)
+    assert MemoryModel.OP_BY_OP.step_time_s(mm, profile) == node_time_s(mm, profile) + dequantize_s
+    assert MemoryModel.FUSED_POINTWISE.run_time_s(nodes, profile) == fused_run_time_s(nodes, profile)
+    op_by_op = MemoryModel.OP_BY_OP.run_time_s(nodes, profile)
+    assert op_by_op == sum(node_time_s(n, profile) for n in nodes) + dequantize_s
