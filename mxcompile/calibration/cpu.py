@@ -28,9 +28,9 @@ from ..config import MXConfig
 from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
 from ..cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, FP32_BYTES, QUANTIZE_RATE,
                              DeviceProfile)
+from ..numerics import E8M0_BIAS, dequantize_along, elem_format
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_reference import default_key_tile
-from ..numerics import E8M0_BIAS, dequantize_along, elem_format
 from ..ops.quantize import QUANTIZE
 
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
