@@ -355,15 +355,9 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
     return "fp32"
 
 
-def node_time_s(node: fx.Node, profile: DeviceProfile, *, reference_mx_gemm: bool = False) -> float:
+def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     """Estimate of ``node``'s run time on ``profile``, in seconds: the roofline, and at least
-    the op's measured rate where the profile has one (see the conventions).
-
-    ``reference_mx_gemm``: an ``mxcompile::mx_mm`` runs as its torch reference (the eager
-    lowering's), which dequantizes both operands op by op before its GEMM: their time at the
-    profile's measured ``dequantize`` rate is added (:func:`reference_dequantize_time_s`)."""
-    if reference_mx_gemm and _is_mx_mm(node):
-        return node_time_s(node, profile) + reference_dequantize_time_s(node, profile)
+    the op's measured rate where the profile has one (see the conventions)."""
     flops = node_flops(node)
     compute = flops / profile.flops(flops_dtype_key(node, profile)) if flops else 0.0
     memory = bytes_moved(node) / profile.memory_bandwidth
@@ -386,11 +380,18 @@ def reference_dequantize_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     return (_numel(node.args[0]) + _numel(node.args[2])) / rate
 
 
+def op_by_op_time_s(node: fx.Node, profile: DeviceProfile) -> float:
+    """Estimate of ``node``'s run time as the eager lowering runs it: :func:`node_time_s`, and
+    an ``mxcompile::mx_mm`` as its torch reference, which dequantizes both operands op by op
+    before its GEMM (:func:`reference_dequantize_time_s`)."""
+    return node_time_s(node, profile) + reference_dequantize_time_s(node, profile)
+
+
 def op_by_op_run_time_s(nodes: list[fx.Node], profile: DeviceProfile) -> float:
     """Estimate of running ``nodes`` one op after another, as the eager lowering runs them: no
-    fusion, and each MX GEMM as its torch reference (:func:`node_time_s` with
-    ``reference_mx_gemm``). The counterpart of :func:`fused_run_time_s` (Inductor)."""
-    return sum(node_time_s(node, profile, reference_mx_gemm=True) for node in nodes)
+    fusion, each op at :func:`op_by_op_time_s`. The counterpart of :func:`fused_run_time_s`
+    (Inductor)."""
+    return sum(op_by_op_time_s(node, profile) for node in nodes)
 
 
 def attention_passes(node: fx.Node, chunk: int | None = None) -> int:

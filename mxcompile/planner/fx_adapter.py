@@ -64,7 +64,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..cost.graph_costs import (alias_root, fused_into_reader, fused_run_time_s, is_alias, node_bytes, node_time_s,
-                                op_by_op_run_time_s, workspace_bytes)
+                                op_by_op_run_time_s, op_by_op_time_s, workspace_bytes)
 from ..cost.profiles import DeviceProfile
 from .budget import MemoryBudget
 from .heuristic import HeuristicPlanner
@@ -90,7 +90,9 @@ class MemoryModel(enum.Enum):
 
     def step_time_s(self, node: fx.Node, profile: DeviceProfile) -> float:
         """The estimated time of one op of the step."""
-        return node_time_s(node, profile, reference_mx_gemm=self is MemoryModel.OP_BY_OP)
+        if self is MemoryModel.OP_BY_OP:
+            return op_by_op_time_s(node, profile)
+        return node_time_s(node, profile)
 
     def run_time_s(self, nodes: list[fx.Node], profile: DeviceProfile) -> float:
         """The estimated time of running ``nodes`` (a recomputation's closure, in graph order)."""

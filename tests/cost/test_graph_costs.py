@@ -8,18 +8,18 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from mx_gemm_graph import MX_GEMM_SHAPE, traced_mx_gemm
 from mxcompile.config import MXConfig
 from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved,
                                         fused_run_time_s, node_flops, node_time_s, op_by_op_run_time_s,
-                                        reference_dequantize_time_s, value_bytes, workspace_bytes)
+                                        op_by_op_time_s, reference_dequantize_time_s, value_bytes,
+                                        workspace_bytes)
 from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, QUANTIZE_RATE, DeviceProfile
 from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from mxcompile.ops.attention_reference import default_key_tile
-from mxcompile.ops.mx_mm import MX_MM
-from mxcompile.ops.quantize import QUANTIZE
 
 CONFIG = MXConfig()
-M, K, N = 64, 128, 96
+M, K, N = MX_GEMM_SHAPE
 ATTENTION_SHAPE = (2, 3, 64, 32)  # (batch, heads, seq, head_dim)
 GIGA = 1e9
 
@@ -34,27 +34,26 @@ def _profile(*, op_rates=None, native_fp8_gemm=True, fp32=10 * GIGA, bf16=20 * G
                          op_rates=op_rates, native_fp8_gemm=native_fp8_gemm)
 
 
-def _graph(fn, *inputs: torch.Tensor) -> dict[str, fx.Node]:
-    """``fn`` traced, every node with its fake value; its first node of each op, by schema name."""
-    gm = fx.symbolic_trace(fn)
-    FakeTensorProp(gm).propagate(*inputs)
+def _first_of_each_op(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """The first node of each op of ``gm``, by schema name."""
     nodes = {}
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if schema is not None:
-            nodes.setdefault(schema.name, node)  # the first of each op
+            nodes.setdefault(schema.name, node)
     return nodes
 
 
-def _quantize_and_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    a, a_scale = QUANTIZE(x, 1, CONFIG.forward_elem.value, CONFIG.scale_mode.value, CONFIG.block_size)
-    b, b_scale = QUANTIZE(w, 0, CONFIG.forward_elem.value, CONFIG.scale_mode.value, CONFIG.block_size)
-    return MX_MM(a, a_scale, b, b_scale, CONFIG.block_size, torch.float32)
+def _graph(fn, *inputs: torch.Tensor) -> dict[str, fx.Node]:
+    """``fn`` traced, every node with its fake value; its first node of each op, by schema name."""
+    gm = fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(*inputs)
+    return _first_of_each_op(gm)
 
 
 @pytest.fixture(scope="module")
 def mx_nodes() -> dict[str, fx.Node]:
-    return _graph(_quantize_and_mm, torch.randn(M, K), torch.randn(K, N))
+    return _first_of_each_op(traced_mx_gemm(CONFIG))
 
 
 def test_quantize_priced_at_least_its_bytes_over_bandwidth(mx_nodes):
@@ -92,10 +91,10 @@ def test_mx_mm_run_as_its_reference_adds_its_operands_dequantize(mx_nodes):
     profile = _profile(native_fp8_gemm=False, op_rates={DEQUANTIZE_RATE: rate})
     dequantize_s = (M * K + K * N) / rate
     assert reference_dequantize_time_s(mm, profile) == pytest.approx(dequantize_s)
-    assert node_time_s(mm, profile, reference_mx_gemm=True) == pytest.approx(node_time_s(mm, profile) + dequantize_s)
-    assert node_time_s(quantize, profile, reference_mx_gemm=True) == node_time_s(quantize, profile)
+    assert op_by_op_time_s(mm, profile) == pytest.approx(node_time_s(mm, profile) + dequantize_s)
+    assert op_by_op_time_s(quantize, profile) == node_time_s(quantize, profile)
     unmeasured = _profile(native_fp8_gemm=False)  # e.g. CUDA: the op is a Triton MX GEMM
-    assert node_time_s(mm, unmeasured, reference_mx_gemm=True) == node_time_s(mm, unmeasured)
+    assert op_by_op_time_s(mm, unmeasured) == node_time_s(mm, unmeasured)
     # Op by op, the quantizes and the reference GEMM each at their own price, nothing fused.
     nodes = [n for n in mm.graph.nodes if n.op == "call_function"]
     expected = sum(node_time_s(n, profile) for n in nodes) + dequantize_s

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from mxcompile.cost.graph_costs import node_flops, value_bytes
-from mxcompile.cost.profiles import H100_SXM
+from mx_gemm_graph import MX_GEMM_SHAPE, traced_mx_gemm
+from mxcompile.cost.graph_costs import fused_run_time_s, node_flops, node_time_s, value_bytes
+from mxcompile.cost.profiles import DEQUANTIZE_RATE, H100_SXM, DeviceProfile
 from mxcompile.ops.attention import ATTENTION
+from mxcompile.ops.mx_mm import MX_MM
 from mxcompile.planner import plan_activation_memory
 from mxcompile.planner.budget import MemoryBudget
 from mxcompile.planner.fx_adapter import MemoryModel, build_problem, fused_nodes
@@ -191,33 +194,16 @@ def test_each_lowering_times_an_mx_gemm_as_it_runs_it() -> None:
     """Op by op (the eager lowering) an MX GEMM runs as its torch reference, dequantizing both
     operands first; under Inductor its operands are fake-quantized inside the GEMM's graph. So
     only the op-by-op model adds the profile's measured dequantize time, to the step and to a
-    recomputation that replays it."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    from mxcompile.config import MXConfig
-    from mxcompile.cost.graph_costs import fused_run_time_s, node_time_s, reference_dequantize_time_s
-    from mxcompile.cost.profiles import DEQUANTIZE_RATE, DeviceProfile
-    from mxcompile.ops.mx_mm import MX_MM
-    from mxcompile.ops.quantize import QUANTIZE
-
-    config = MXConfig()
-
-    def quantize_and_mm(x, w):
-        a, a_scale = QUANTIZE(x, 1, config.forward_elem.value, config.scale_mode.value, config.block_size)
-        b, b_scale = QUANTIZE(w, 0, config.forward_elem.value, config.scale_mode.value, config.block_size)
-        return MX_MM(a, a_scale, b, b_scale, config.block_size, torch.float32)
-
-    gm = fx.symbolic_trace(quantize_and_mm)
-    FakeTensorProp(gm).propagate(torch.randn(M, K), torch.randn(K, N))
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    recomputation that replays it; and only Inductor's fuses pointwise chains."""
+    nodes = [n for n in traced_mx_gemm().graph.nodes if n.op == "call_function"]
     mm = next(n for n in nodes if n.target is MX_MM)
     rates = {**H100_SXM.to_dict(), "op_rates": {DEQUANTIZE_RATE: 1e6},
              "sources": {**H100_SXM.sources, f"op_rates.{DEQUANTIZE_RATE}": "synthetic"}}
     profile = DeviceProfile.from_dict(rates)
-    dequantize_s = (M * K + K * N) / 1e6
-    assert reference_dequantize_time_s(mm, profile) == dequantize_s
+    m, k, n = MX_GEMM_SHAPE
+    dequantize_s = (m * k + k * n) / 1e6
     assert MemoryModel.FUSED_POINTWISE.step_time_s(mm, profile) == node_time_s(mm, profile)
     assert MemoryModel.OP_BY_OP.step_time_s(mm, profile) == node_time_s(mm, profile) + dequantize_s
     assert MemoryModel.FUSED_POINTWISE.run_time_s(nodes, profile) == fused_run_time_s(nodes, profile)
-    op_by_op = MemoryModel.OP_BY_OP.run_time_s(nodes, profile)
-    assert op_by_op == sum(node_time_s(n, profile) for n in nodes) + dequantize_s
+    op_by_op = sum(node_time_s(n, profile) for n in nodes) + dequantize_s  # summed in another order
+    assert MemoryModel.OP_BY_OP.run_time_s(nodes, profile) == pytest.approx(op_by_op, rel=1e-12)
