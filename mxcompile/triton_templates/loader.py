@@ -18,7 +18,9 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-KERNEL_MODULES = ("mx_tile", "quantize", "mx_gemm", "attention", "attention_backward")
+KERNEL_MODULES = (
+    "mx_tile", "quantize", "mx_gemm", "attention", "attention_backward", "flash_attention",
+)  # fmt: skip
 _KERNELS_DIR = Path(__file__).with_name("kernels")
 _packages: dict[bool, ModuleType] = {}
 _lock = threading.Lock()

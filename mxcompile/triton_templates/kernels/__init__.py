@@ -1,11 +1,14 @@
 """The `@triton.jit` kernels and their shared helpers, as plain Triton source files.
 
   mx_tile             shared helpers: MX quantization of a tile, dot_scaled operand layouts,
-                      row-masked tile loads, named constants (LOG2E, E8M0_*, F32_*)
+                      row-masked tile loads, the online-softmax step, named constants
+                      (LOG2E, E8M0_*, F32_*)
   quantize            mx_quantize_kernel
   mx_gemm             mx_mm_kernel (with its epilogue ops)
   attention           mx_attention_fwd_kernel
   attention_backward  mx_attention_bwd_{preprocess,dkdv,dq}_kernel
+  flash_attention     flash_attention_{fwd,dkdv,dq}_kernel: bf16 flash attention, the
+                      reference the MX attention kernels' compiled code is compared with
 
 Triton's `@triton.jit` decides when it decorates a function (at import) whether it makes an
 interpreter function (TRITON_INTERPRET=1) or a compiled-mode one, and an interpreted kernel can

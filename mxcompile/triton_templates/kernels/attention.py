@@ -5,7 +5,7 @@ the shapes and the references."""
 import triton
 import triton.language as tl
 
-from .mx_tile import E8M0_ONE, LN2, key_tiles_end, load_rows, max_combine, mx_lhs, sum_combine
+from .mx_tile import E8M0_ONE, LN2, key_tiles_end, load_rows, mx_lhs, online_softmax_step
 
 
 @triton.jit
@@ -68,14 +68,10 @@ def mx_attention_fwd_kernel(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(valid, s, float("-inf"))
-        # Softmax statistics; a row with no valid key yet keeps m = -inf and p = 0. The running
-        # maximum is an integer (ceil), so alpha is an exact power of two and P's largest value
-        # lies in (1/2, 1]: P's MX rounding does not depend on BLOCK_N.
-        m_new = tl.maximum(m_i, tl.ceil(tl.reduce(s, 1, max_combine)))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.reduce(p, 1, sum_combine)
+        # Softmax statistics with an integer running maximum: every rescale is an exact power
+        # of two and P's largest value lies in (1/2, 1], so its MX rounding does not depend on
+        # BLOCK_N.
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i, True)
         # P quantized along the key axis, in blocks of SCALE_BLOCK keys.
         p_data, p_scale = mx_lhs(p, BLOCK_M, BLOCK_N, SCALE_BLOCK, P_ELEM, P_SCALE_MODE, CAST)
         # O += P V: V tile (BLOCK_N, HEAD_DIM); its scales (BLOCK_N // 32, HEAD_DIM) transposed,

@@ -10,7 +10,9 @@ kernel works on the transposed products (keys as rows); `QUERY_ROWS` says which 
 import triton
 import triton.language as tl
 
-from .mx_tile import LOG2E, key_tiles_end, load_rows, mx_lhs, mx_rhs, sum_combine
+from .mx_tile import (
+    key_tiles_end, load_row_stats, load_rows, mx_lhs, mx_rhs, program_rows, sum_combine,
+)
 
 
 @triton.jit
@@ -77,16 +79,6 @@ def _scores_and_probs(
 
 
 @triton.jit
-def _program_rows(S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """This program's tile of BLOCK rows out of S (grid axis 0) and its head (grid axis 1), as
-    64-bit offsets: (tile index, head, row offsets, head_dim offsets, row mask)."""
-    pid = tl.program_id(axis=0).to(tl.int64)
-    head = tl.program_id(axis=1).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    return pid, head, offs, tl.arange(0, HEAD_DIM), offs < S
-
-
-@triton.jit
 def _lhs_operand(
     x, MX: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, CAST: tl.constexpr,
@@ -106,15 +98,6 @@ def _load_fp32(ptr, offs_rows, stride_rows, offs_d, stride_d, mask_rows):
 
 
 @triton.jit
-def _load_row_stats(lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh,
-                    stride_em):  # fmt: skip
-    """The saved logsumexp, in base 2, and delta of the query rows offs_m."""
-    lse = tl.load(lse_ptr + head * stride_lh + offs_m * stride_lm, mask=mask_m, other=0.0)
-    delta = tl.load(delta_ptr + head * stride_eh + offs_m * stride_em, mask=mask_m, other=0.0)
-    return lse * LOG2E, delta
-
-
-@triton.jit
 def mx_attention_bwd_preprocess_kernel(
     # Pointers: the forward output O and its gradient dO; delta (fp32, one per query row).
     o_ptr, do_ptr, delta_ptr,
@@ -127,7 +110,7 @@ def mx_attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     # delta = rowsum(dO * O) in fp32, the D of dS = P * (dP - D).
-    _pid_m, head, offs_m, offs_d, mask_m = _program_rows(S_Q, BLOCK_M, HEAD_DIM)
+    _pid_m, head, offs_m, offs_d, mask_m = program_rows(S_Q, BLOCK_M, HEAD_DIM)
     o = _load_fp32(o_ptr + head * stride_oh, offs_m, stride_om, offs_d, stride_od, mask_m)
     do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
     delta = tl.reduce(o * do, 1, sum_combine)
@@ -160,7 +143,7 @@ def mx_attention_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,  # keys per program, a multiple of SCALE_BLOCK
 ):  # fmt: skip
     # Phase 1: this program's key tile and head.
-    pid_n, head, offs_n, offs_d, mask_n = _program_rows(S_K, BLOCK_N, HEAD_DIM)
+    pid_n, head, offs_n, offs_d, mask_n = program_rows(S_K, BLOCK_N, HEAD_DIM)
 
     # Phase 2: load K and V once; both along head_dim, the contraction axis of
     # S^T = K Q^T and dP^T = V dO^T (the transposed products keep keys as rows).
@@ -182,7 +165,7 @@ def mx_attention_bwd_dkdv_kernel(
         mask_m = offs_m < S_Q
         q = _load_fp32(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m)
         do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
-        lse2, delta = _load_row_stats(
+        lse2, delta = load_row_stats(
             lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh, stride_em
         )
         # P^T = exp2(S^T - lse) with S^T = K Q^T (keys x queries).
@@ -244,13 +227,13 @@ def mx_attention_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,  # keys per step, a multiple of SCALE_BLOCK
 ):  # fmt: skip
     # Phase 1: this program's query tile and head.
-    pid_m, head, offs_m, offs_d, mask_m = _program_rows(S_Q, BLOCK_M, HEAD_DIM)
+    pid_m, head, offs_m, offs_d, mask_m = program_rows(S_Q, BLOCK_M, HEAD_DIM)
 
     # Phase 2: load Q, dO and the row statistics once; Q and dO along head_dim, the
     # contraction axis of S = Q K^T and dP = dO V^T.
     q = _load_fp32(q_ptr + head * stride_qh, offs_m, stride_qm, offs_d, stride_qd, mask_m)
     do = _load_fp32(do_ptr + head * stride_doh, offs_m, stride_dom, offs_d, stride_dod, mask_m)
-    lse2, delta = _load_row_stats(
+    lse2, delta = load_row_stats(
         lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh, stride_em
     )
     q_lhs, q_scale = _lhs_operand(q, MX_QK, BLOCK_M, HEAD_DIM, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, CAST)

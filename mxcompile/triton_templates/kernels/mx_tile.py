@@ -289,6 +289,45 @@ def load_rows(ptr, offs_rows, stride_rows, offs_cols, stride_cols, mask_rows, ot
 
 
 @triton.jit
+def program_rows(S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's tile of BLOCK rows out of S (grid axis 0) and its head (grid axis 1), as
+    64-bit offsets: (tile index, head, row offsets, head_dim offsets, row mask)."""
+    pid = tl.program_id(axis=0).to(tl.int64)
+    head = tl.program_id(axis=1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    return pid, head, offs, tl.arange(0, HEAD_DIM), offs < S
+
+
+@triton.jit
+def load_row_stats(lse_ptr, delta_ptr, head, offs_m, mask_m, stride_lh, stride_lm, stride_eh,
+                   stride_em):  # fmt: skip
+    """The saved logsumexp (natural log), in base 2, and delta of the query rows offs_m."""
+    lse = tl.load(lse_ptr + head * stride_lh + offs_m * stride_lm, mask=mask_m, other=0.0)
+    delta = tl.load(delta_ptr + head * stride_eh + offs_m * stride_em, mask=mask_m, other=0.0)
+    return lse * LOG2E, delta
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, INTEGER_MAX: tl.constexpr):
+    """One key tile of the base-2 online softmax: scores `s` (rows x keys, -inf where masked),
+    running maximum m_i and denominator l_i per row. Returns (p, alpha, m_new, l_new): the
+    unnormalized probabilities 2**(s - m_new), the factor that rescales what was accumulated
+    under m_i, and the updated statistics. A row with no valid key yet keeps m = -inf and p = 0.
+    INTEGER_MAX: the running maximum is rounded up to an integer (ceil), so alpha is an exact
+    power of two and the largest p lies in (1/2, 1] (the MX kernels: P's MX rounding then does
+    not depend on the tile size); else it is the real maximum (FlashAttention)."""
+    row_max = tl.reduce(s, 1, max_combine)
+    if INTEGER_MAX:
+        row_max = tl.ceil(row_max)
+    m_new = tl.maximum(m_i, row_max)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_new = l_i * alpha + tl.reduce(p, 1, sum_combine)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
 def key_tiles_end(S_K, pid_m, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the keys the query tile pid_m attends to (causal: up to the diagonal)."""
     if CAUSAL:
