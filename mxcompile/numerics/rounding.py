@@ -1,8 +1,10 @@
-"""FP8 rounding in fp32 arithmetic, and quantization written for Inductor's CPU code generation.
+"""FP8 and FP4 (E2M1) rounding in fp32 arithmetic, and quantization written for Inductor's CPU
+code generation.
 
 `round_to_element(v, fmt)` returns exactly `v.to(fmt.dtype).to(torch.float32)` for every finite
 |v| <= fmt.max_normal (signed zeros included) and NaN for NaN, with fp32 multiplies and adds
-only. Inductor vectorizes those, whereas its fp8 conversions and int/float bitcasts run element
+only. (E2M1 has no torch cast: there it is round-to-nearest-even onto +-{0, 0.5, ..., 6},
+checked against an enumeration of the grid in tests/numerics/test_fp4_e2m1.py.) Inductor vectorizes those, whereas its fp8 conversions and int/float bitcasts run element
 by element. Two classic tricks, both exact in round-to-nearest-even fp32 arithmetic:
 
 - normal range (|v| >= 2**emin): Veltkamp splitting. c = v * (2**(24 - p) + 1) and
@@ -29,9 +31,8 @@ MAGIC_SIGNIFICAND = 1.5  # C = 1.5 * 2**k keeps v + C inside one binade for |v| 
 
 
 def min_normal_exponent(fmt: ElemFormat) -> int:
-    """Exponent of the smallest normal value: 1 - bias (e4m3: -6, e5m2: -14)."""
-    exponent_bits = fmt.dtype.itemsize * 8 - 1 - fmt.mantissa_bits
-    return 2 - (1 << (exponent_bits - 1))
+    """Exponent of the smallest normal value: 1 - bias (e4m3: -6, e5m2: -14, e2m1: 0)."""
+    return 2 - (1 << (fmt.exponent_bits - 1))
 
 
 def splitter(fmt: ElemFormat) -> float:

@@ -12,7 +12,7 @@ from .formats import (
     E8M0_BIAS,
     E8M0_MAX_BYTE,
     E8M0_NAN,
-    ELEM_FORMATS,
+    ALL_ELEM_FORMATS,
     F32_EXPONENT_MASK,
     F32_MANTISSA_BITS,
     F32_MANTISSA_MASK,
@@ -31,11 +31,11 @@ _F32_HALF_MIN_NORMAL_MANTISSA = 1 << (F32_MANTISSA_BITS - 1)
 # Dynamo then treats the format's float fields as dynamic, cannot constant-fold struct.pack
 # and recurses in its struct polyfill (torch 2.13: "RecursionError: maximum recursion depth
 # exceeded", seen when compiling e4m3 and then e5m2 in one process).
-_RECIPROCAL_MAX_FP32 = {name: fmt.reciprocal_max_fp32 for name, fmt in ELEM_FORMATS.items()}
+_RECIPROCAL_MAX_FP32 = {name: fmt.reciprocal_max_fp32 for name, fmt in ALL_ELEM_FORMATS.items()}
 
 
 def _reciprocal_max_fp32(fmt: ElemFormat) -> float:
-    if ELEM_FORMATS.get(fmt.name) is fmt:
+    if ALL_ELEM_FORMATS.get(fmt.name) is fmt:
         return _RECIPROCAL_MAX_FP32[fmt.name]
     return fmt.reciprocal_max_fp32
 
