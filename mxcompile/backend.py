@@ -33,6 +33,7 @@ from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
 
+from .checkpointed_layers import compile_checkpointed_layers, modules_on_stack
 from .compile_cache import load_report, report_key, store_report, tagged
 from .config import MXConfig
 from .coverage import warn_uncompiled
@@ -46,6 +47,7 @@ from .passes.graph_facts import GraphInfo, concrete_int, graph_module_names
 from .passes.meta_keys import GRAPH_INFO_KEY
 from .planner.fx_adapter import MemoryModel
 from .report import GraphSnapshot, RecordedGraph, Report, ReportHistory
+from .step_coverage import WARN_BELOW_FRACTION, MXEagerWarning, StepCoverage, StepMonitor
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
 
@@ -230,6 +232,10 @@ def compile_and_record(
     With Inductor's lowering and no memory budget, torch's compile caches serve the graph when
     they can (keyed with `compile_cache.cache_tag(config)`); the report of a graph they serve is
     the one stored when it was compiled, and its fallback warnings are given again."""
+    # HF gradient checkpointing that dynamo could not trace: its layers compiled on their own
+    # (checkpointed_layers.py). The model being compiled is on the stack, as its forward runs.
+    compile_checkpointed_layers(modules_on_stack(), (config, lower),
+                                functools.partial(compile_and_record, config=config, lower=lower))
     report = Report(config.to_dict())
     # A memory plan depends on the device profile measured on this machine, which the cache key
     # does not cover: graphs with a memory budget are compiled afresh every time.
@@ -260,16 +266,33 @@ def compile_and_record(
     return _noting_calls(compiled, recorded)
 
 
+def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -> None:
+    """A measured first training step (step_coverage.py): its share goes into the reports of
+    the graphs that ran in it, the log, and a warning when too little of it ran in MX."""
+    for graph in graphs:
+        graph.report.step_coverage = coverage
+    logger.info("mxcompile: %s (measured in %.3f s)", coverage.summary(), coverage.measure_seconds)
+    if coverage.total_flops and coverage.mx_flop_fraction < WARN_BELOW_FRACTION:
+        warnings.warn(coverage.warning(), MXEagerWarning, stacklevel=2)
+
+
+# Measures the first training step of the graphs compiled in this process (step_coverage.py).
+_STEP_MONITOR = StepMonitor(_record_step_coverage, roots_of_call=modules_on_stack)
+
+
 def _noting_calls(compiled: Callable, recorded: RecordedGraph) -> Callable:
     """`compiled`, noting each call's parameters in the report history
     (`RecordedGraph.note_call`): one graph can serve every block of a model. AOTAutograd's
     function takes the graph inputs either as arguments or, behind dynamo's input-flattening
-    wrapper, as one list (which it clears); graph inputs are never lists themselves."""
+    wrapper, as one list (which it clears); graph inputs are never lists themselves. Until a
+    training step that ran the graph was measured, its calls go through the step monitor."""
 
     def run(*args: Any) -> Any:
         boxed = len(args) == 1 and isinstance(args[0], list)
         recorded.note_call(args[0] if boxed else args)
-        return compiled(*args)
+        if recorded.measured:
+            return compiled(*args)
+        return _STEP_MONITOR.run(recorded, lambda: compiled(*args))
 
     return functools.wraps(compiled)(run)
 

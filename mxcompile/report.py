@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .step_coverage import StepCoverage
+
 REPORT_SCHEMA_VERSION = 1
 
 CONVERTED = "mxfp8"
@@ -80,6 +82,9 @@ class Report:
     memory_plan: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
     all_gather: dict[str, str] = field(default_factory=dict)  # FSDP2 weight -> all-gather decision
+    # The first training step this graph ran in, measured at run time (step_coverage.py): the
+    # share of all its GEMM FLOPs in MX, eager GEMMs outside every compiled graph included.
+    step_coverage: StepCoverage | None = None
 
     def add_pass_result(self, result: PassResult) -> None:
         self.passes.append(result)
@@ -91,7 +96,11 @@ class Report:
 
     @property
     def gemm_flops_converted(self) -> int:
-        return sum(d.flops for d in self.decisions if d.decision == CONVERTED)
+        return self.gemm_flops_converted_of(self.decisions)
+
+    @staticmethod
+    def gemm_flops_converted_of(decisions: Iterable[GemmDecision]) -> int:
+        return sum(d.flops for d in decisions if d.decision == CONVERTED)
 
     @property
     def converted_flop_fraction(self) -> float:
@@ -108,6 +117,8 @@ class Report:
             "converted_flop_fraction": self.converted_flop_fraction,
             "saved_activation_bytes_before": self.saved_bytes_before,
             "saved_activation_bytes_after": self.saved_bytes_after,
+            # None until the step is measured (after the first training step that ran the graph)
+            "step_mx_flop_fraction": self.step_coverage.mx_flop_fraction if self.step_coverage else None,
         }
 
     def kept_flops_by_reason(self) -> list[tuple[str, int, int]]:
@@ -132,8 +143,9 @@ class Report:
         if not t["gemms"]:
             return "no GEMMs in this graph: nothing to run in MXFP8"
         graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions))
-        return (f"{graphs}: {t['converted']} of {t['gemms']} GEMMs in MXFP8, "
+        line = (f"{graphs}: {t['converted']} of {t['gemms']} GEMMs in MXFP8, "
                 f"{t['converted_flop_fraction']:.1%} of {t['gemm_flops']:.3g} GEMM FLOPs; {t['kept']} kept")
+        return line + (f"; {self.step_coverage.summary()}" if self.step_coverage else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +161,7 @@ class Report:
             "memory_plan": self.memory_plan,
             "fallbacks": list(self.fallbacks),
             "all_gather": dict(self.all_gather),
+            "step_coverage": self.step_coverage.to_dict() if self.step_coverage else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -164,6 +177,7 @@ class RecordedGraph:
 
     def __init__(self, report: "Report", tensors: Iterable[Any]) -> None:
         self.report = report
+        self.measured = False  # whether a step it ran in was measured (step_coverage.StepMonitor)
         # id -> weak reference, checked by identity (tensors' == is elementwise, so no WeakSet)
         self._tensors: dict[int, weakref.ref] = {}
         self._add(t for t in tensors if isinstance(t, torch.Tensor))

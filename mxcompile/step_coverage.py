@@ -1,0 +1,350 @@
+"""What share of a training step's GEMM FLOPs ran in MX, measured at run time.
+
+The reports say what each compiled graph converted; they cannot see GEMMs that ran outside every
+compiled graph: after a graph break inside user or library code (HF gradient checkpointing was
+one), dynamo runs the code between graphs eagerly, in full precision, and the backend is never
+told. So the first training step of the graphs mxcompile compiled is measured:
+
+* The window opens at the first call, with gradients enabled, of a compiled graph not measured
+  yet, and closes at the end of the first backward pass that runs through a graph called in it
+  (an autograd hook on that graph's output queues the close at the end of the backward), or at
+  the anchor graph's next call when no backward came.
+* In the window, torch.profiler (CPU ops, with shapes) records every op, and each call of an
+  mxcompile graph is marked (`GRAPH_CALL_MARKER`). A GEMM (`aten::mm`, `addmm`, `bmm`,
+  `baddbmm`, `_grouped_mm`) or attention op (SDPA's forward and its fused backwards) ran
+  eagerly when no enclosing event is an mxcompile graph call, a compiled backward, Inductor's
+  call of a compiled graph, an mxcompile op, or dynamo's compilation (which runs fake or
+  calibration GEMMs). Its FLOPs come from its recorded shapes; the module it belongs to from the
+  parameter whose storage it read.
+* The compiled graphs' GEMM FLOPs come from their reports, times the calls in the window (a
+  training graph's report holds its forward and backward GEMMs, counted once per forward call).
+
+The share is `StepCoverage.mx_flop_fraction`: converted GEMM FLOPs of the compiled graphs over all
+GEMM FLOPs of the step, eager ones included. Under `WARN_BELOW_FRACTION` it warns once
+(`MXEagerWarning`) with the modules that ran eagerly, the graph breaks dynamo recorded and what
+to do. Graphs compiled by other backends are not counted on either side.
+
+Cost: the profiler runs during the first step only (which also compiles, so most of that step is
+compile time; `StepCoverage.measure_seconds` is the time spent reading the profile). After the
+window closes, a graph call pays one attribute check. No window opens while another profiler runs
+(`torch.profiler` sessions cannot nest); that graph is then not measured.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MXEagerWarning", "StepCoverage", "StepMonitor", "eager_gemm_flops"]
+
+WARN_BELOW_FRACTION = 0.90
+GRAPH_CALL_MARKER = "mxcompile.compiled_graph"
+# Events under which a GEMM is not an eager one: a compiled backward (AOTAutograd's autograd
+# node), Inductor's call of its compiled code, an mxcompile op, dynamo's compile (its timed
+# regions are named "<stage> (dynamo_timed)").
+COMPILED_BACKWARD_EVENT = "CompiledFunctionBackward"
+INDUCTOR_CALL_PREFIX = "## Call CompiledFxGraph"
+MXCOMPILE_OP_PREFIX = "mxcompile::"
+COMPILE_EVENT_SUFFIX = "(dynamo_timed)"
+
+FLOPS_PER_MULTIPLY_ADD = 2
+# SDPA's forward is two GEMMs (Q Kᵀ, P V) and its backward four (dV, dP, dQ, dK).
+ATTENTION_FORWARD_GEMMS, ATTENTION_BACKWARD_GEMMS = 2, 4
+MODULES_SHOWN = 6
+GRAPH_BREAKS_SHOWN = 3
+
+
+class GemmOp(enum.Enum):
+    """The aten GEMMs a step's profile is searched for, by profiler event name."""
+
+    MM = "aten::mm"
+    ADDMM = "aten::addmm"
+    BMM = "aten::bmm"
+    BADDBMM = "aten::baddbmm"
+    GROUPED_MM = "aten::_grouped_mm"
+
+
+ATTENTION_FORWARD_OPS = frozenset({"aten::scaled_dot_product_attention"})
+ATTENTION_BACKWARD_OPS = frozenset({
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_cudnn_attention_backward",
+})
+_GEMM_NAMES = {op.value: op for op in GemmOp}
+# The first tensor operand of each GEMM (addmm and baddbmm take the bias first).
+_FIRST_OPERAND = {GemmOp.MM: 0, GemmOp.ADDMM: 1, GemmOp.BMM: 0, GemmOp.BADDBMM: 1, GemmOp.GROUPED_MM: 0}
+
+
+class MXEagerWarning(UserWarning):
+    """A large share of a training step's GEMM FLOPs ran outside every mxcompile graph."""
+
+
+def eager_gemm_flops(name: str, shapes: Sequence[Sequence[int] | None]) -> int:
+    """FLOPs of one profiled GEMM or attention op from its input shapes (None: not a tensor).
+    GEMMs: 2 M N K times the batch; `_grouped_mm`: 2 M N K over all groups (each row, or each
+    contraction index, belongs to one group); SDPA: 2 L S D per head and GEMM, D the mean of the
+    query/key and value widths. 0 for any other op."""
+    if name in ATTENTION_FORWARD_OPS or name in ATTENTION_BACKWARD_OPS:
+        first = 1 if name in ATTENTION_BACKWARD_OPS else 0  # the backward's first input is grad_out
+        q, k, v = shapes[first:first + 3]
+        if q is None or k is None or v is None:
+            return 0
+        heads = 1
+        for size in q[:-2]:
+            heads *= size
+        gemms = ATTENTION_BACKWARD_GEMMS if name in ATTENTION_BACKWARD_OPS else ATTENTION_FORWARD_GEMMS
+        width = (q[-1] + v[-1]) / 2
+        return int(FLOPS_PER_MULTIPLY_ADD * gemms * heads * q[-2] * k[-2] * width)
+    op = _GEMM_NAMES.get(name)
+    if op is None:
+        return 0
+    first = _FIRST_OPERAND[op]
+    a, b = shapes[first], shapes[first + 1]
+    if a is None or b is None:
+        return 0
+    if op is GemmOp.GROUPED_MM and len(a) == 2:  # rows split (2-D x 3-D) or contraction split (2-D x 2-D)
+        return FLOPS_PER_MULTIPLY_ADD * a[0] * a[1] * b[-1]
+    batch = 1
+    for size in a[:-2]:
+        batch *= size
+    return FLOPS_PER_MULTIPLY_ADD * batch * a[-2] * a[-1] * b[-1]
+
+
+@dataclass(frozen=True)
+class EagerGemm:
+    """One GEMM or attention op that ran outside every compiled graph."""
+
+    op: str
+    flops: int
+    storages: tuple[int, ...]  # storage addresses of its tensor inputs
+
+
+def _is_compiled_region(name: str) -> bool:
+    return (name == GRAPH_CALL_MARKER or name == COMPILED_BACKWARD_EVENT or name.startswith(INDUCTOR_CALL_PREFIX)
+            or name.startswith(MXCOMPILE_OP_PREFIX) or name.endswith(COMPILE_EVENT_SUFFIX))
+
+
+def _input_shapes_and_storages(event: Any) -> tuple[list[list[int] | None], tuple[int, ...]]:
+    shapes, storages = [], []
+    for value in getattr(event.extra_fields, "inputs", None) or ():
+        sizes = getattr(value, "sizes", None)
+        shapes.append(list(sizes) if sizes is not None else None)
+        storage = getattr(value, "storage_data_ptr", None)
+        if storage:
+            storages.append(storage)
+    return shapes, tuple(storages)
+
+
+def eager_gemms(roots: Iterable[Any]) -> list[EagerGemm]:
+    """The GEMMs and attention ops of a profiler event tree (`experimental_event_tree()`: events
+    with `name`, `children` and `extra_fields.inputs`) that no compiled region encloses; an op
+    counted is not searched below (a composite's GEMMs are its own)."""
+    found = []
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        name = event.name
+        if _is_compiled_region(name):
+            continue
+        if name in _GEMM_NAMES or name in ATTENTION_FORWARD_OPS or name in ATTENTION_BACKWARD_OPS:
+            shapes, storages = _input_shapes_and_storages(event)
+            found.append(EagerGemm(name, eager_gemm_flops(name, shapes), storages))
+            continue
+        stack.extend(event.children)
+    return found
+
+
+@dataclass(frozen=True)
+class StepCoverage:
+    """GEMM FLOPs of one training step: in mxcompile's graphs (converted or kept) and eager."""
+
+    mx_flops: int  # converted GEMM FLOPs of the compiled graphs, per their reports
+    compiled_flops: int  # every GEMM FLOP of the compiled graphs
+    eager_flops: int  # GEMM FLOPs of ops that ran outside every compiled graph
+    eager_gemms: int
+    eager_modules: tuple[str, ...]  # modules whose parameters the eager GEMMs read, most FLOPs first
+    graph_breaks: tuple[str, ...]  # the graph breaks dynamo recorded in this process, most frequent first
+    graph_calls: int  # calls of mxcompile graphs in the step
+    measure_seconds: float  # time spent reading the profile at the end of the step
+
+    @property
+    def total_flops(self) -> int:
+        return self.compiled_flops + self.eager_flops
+
+    @property
+    def mx_flop_fraction(self) -> float:
+        return self.mx_flops / self.total_flops if self.total_flops else 0.0
+
+    def summary(self) -> str:
+        """One line, e.g. 'the step: 5.2% of 3.1e+09 GEMM FLOPs in MX, 84 GEMMs eager (94.8%)'."""
+        eager = self.eager_flops / self.total_flops if self.total_flops else 0.0
+        return (f"the step: {self.mx_flop_fraction:.1%} of {self.total_flops:.3g} GEMM FLOPs in MX, "
+                f"{self.eager_gemms} GEMM(s) eager outside every compiled graph ({eager:.1%})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mx_flop_fraction": self.mx_flop_fraction, "mx_flops": self.mx_flops,
+                "compiled_flops": self.compiled_flops, "eager_flops": self.eager_flops,
+                "eager_gemms": self.eager_gemms, "eager_modules": list(self.eager_modules),
+                "graph_breaks": list(self.graph_breaks), "graph_calls": self.graph_calls,
+                "measure_seconds": self.measure_seconds}
+
+    def warning(self) -> str:
+        modules = ", ".join(self.eager_modules[:MODULES_SHOWN]) or "(no module's parameters: functional GEMMs)"
+        if len(self.eager_modules) > MODULES_SHOWN:
+            modules += f", ... ({len(self.eager_modules)} in all)"
+        breaks = "; ".join(self.graph_breaks) or "none recorded"
+        return (f"mxcompile: only {self.mx_flop_fraction:.1%} of the first training step's GEMM FLOPs ran in MX "
+                f"({self.summary()}): these ran eagerly, in full precision, outside every compiled graph. "
+                f"Modules that ran eagerly: {modules}. Graph breaks dynamo recorded: {breaks}. "
+                "What to do: run with TORCH_LOGS=graph_breaks to see where the graph breaks, remove the break "
+                "(or compile the modules that ran eagerly on their own: torch.compile(module, backend=\"mxfp8\")); "
+                "mxcompile.report_of(model) shows this share in each report's totals.")
+
+
+def _graph_break_reasons() -> tuple[str, ...]:
+    from torch._dynamo.utils import counters
+
+    reasons = counters["graph_break"]
+    ranked = sorted(reasons, key=lambda reason: -reasons[reason])[:GRAPH_BREAKS_SHOWN]
+    return tuple(f"{reason.strip().splitlines()[0]} (x{reasons[reason]})" for reason in ranked)
+
+
+def _module_names(roots: Sequence[nn.Module], gemms: Sequence[EagerGemm]) -> tuple[str, ...]:
+    """The modules (of `roots`) whose parameters the eager GEMMs read, most eager FLOPs first."""
+    owner: dict[int, str] = {}
+    for root in roots:
+        for module_name, module in root.named_modules():
+            for param in module.parameters(recurse=False):
+                owner.setdefault(param.untyped_storage().data_ptr(), module_name or type(root).__name__)
+    flops: dict[str, int] = {}
+    for gemm in gemms:
+        for storage in gemm.storages:
+            if storage in owner:
+                flops[owner[storage]] = flops.get(owner[storage], 0) + gemm.flops
+    return tuple(sorted(flops, key=lambda name: -flops[name]))
+
+
+BACKWARD_GRAPH = "backward"  # GemmDecision.graph of a backward GEMM (forward and inference: the rest)
+COMPILED_BACKWARD_NODE = "CompiledFunctionBackward"  # the autograd node AOTAutograd gives a compiled graph
+BACKWARD_NODE_SEARCH_DEPTH = 3  # autograd nodes (views of outputs) searched for that node
+
+
+def phase_flops(report: Any) -> tuple[int, int, int, int]:
+    """(all, converted) GEMM FLOPs of a report's forward (or inference) graph, then of its
+    backward graph."""
+    forward = [d for d in report.decisions if d.graph != BACKWARD_GRAPH]
+    backward = [d for d in report.decisions if d.graph == BACKWARD_GRAPH]
+    converted = report.gemm_flops_converted_of
+    return (sum(d.flops for d in forward), converted(forward), sum(d.flops for d in backward), converted(backward))
+
+
+def _compiled_backward_node(outputs: Any) -> Any:
+    """The `CompiledFunctionBackward` node behind a compiled graph's outputs (an output may be a
+    view of one, behind a view node), or None when no output needs a gradient."""
+    nodes = [o.grad_fn for o in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    for _ in range(BACKWARD_NODE_SEARCH_DEPTH):
+        for node in nodes:
+            if node.name() == COMPILED_BACKWARD_NODE:
+                return node
+        nodes = [next_node for node in nodes for next_node, _ in node.next_functions if next_node is not None]
+    return None
+
+
+class StepMonitor:
+    """Measures the first training step of the graphs the backend compiled (module docstring).
+
+    The backend runs each call of a compiled graph through `run(graph, call)`; `graph` is any
+    object with a `measured` flag and a `report` (its `RecordedGraph`). `on_measured(coverage,
+    graphs)` is called when a window closes, with the graphs called in it. A graph's forward GEMM
+    FLOPs count once per call, its backward GEMM FLOPs once per run of its backward (an autograd
+    hook counts them: a forward recomputed under non-reentrant checkpointing runs no backward)."""
+
+    def __init__(self, on_measured: Callable[[StepCoverage, list[Any]], None],
+                 roots_of_call: Callable[[], list[nn.Module]]) -> None:
+        self._on_measured = on_measured
+        self._roots_of_call = roots_of_call
+        self._profiler: Any = None
+        self._anchor: Any = None
+        self._graphs: dict[int, Any] = {}
+        self._forward_calls: dict[int, int] = {}
+        self._backward_runs: dict[int, int] = {}
+        self._roots: list[nn.Module] = []
+        self._close_queued = False
+
+    @property
+    def measuring(self) -> bool:
+        return self._profiler is not None
+
+    def _start(self, graph: Any) -> bool:
+        from torch.profiler import ProfilerActivity, profile
+
+        if torch.autograd._profiler_enabled() or not torch.is_grad_enabled():
+            return False
+        self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self._profiler.start()
+        self._anchor, self._close_queued = graph, False
+        self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
+        self._roots = self._roots_of_call()
+        return True
+
+    def _compiled_flops(self) -> tuple[int, int]:
+        """(all, converted) GEMM FLOPs of the compiled graphs' calls in the window."""
+        total = converted = 0
+        for key, graph in self._graphs.items():
+            forward, forward_mx, backward, backward_mx = phase_flops(graph.report)
+            calls, runs = self._forward_calls.get(key, 0), self._backward_runs.get(key, 0)
+            total += forward * calls + backward * runs
+            converted += forward_mx * calls + backward_mx * runs
+        return total, converted
+
+    def _finish(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
+        profiler.stop()
+        began = time.perf_counter()
+        gemms = eager_gemms(profiler.profiler.kineto_results.experimental_event_tree())
+        compiled, converted = self._compiled_flops()
+        graphs = list(self._graphs.values())
+        coverage = StepCoverage(
+            mx_flops=converted, compiled_flops=compiled,
+            eager_flops=sum(g.flops for g in gemms), eager_gemms=len(gemms),
+            eager_modules=_module_names(self._roots, gemms), graph_breaks=_graph_break_reasons(),
+            graph_calls=sum(self._forward_calls.values()), measure_seconds=time.perf_counter() - began,
+        )
+        self._anchor, self._graphs, self._roots = None, {}, []
+        for graph in graphs:
+            graph.measured = True
+        self._on_measured(coverage, graphs)
+
+    def _backward_ran(self, key: int) -> None:
+        self._backward_runs[key] = self._backward_runs.get(key, 0) + 1
+        if not self._close_queued:  # the window closes when the backward pass that got here ends
+            self._close_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def run(self, graph: Any, call: Callable[[], Any]) -> Any:
+        """`call()` (one call of `graph`), measured when a window is or should be open."""
+        if not self.measuring:
+            if graph.measured or not self._start(graph):
+                return call()
+        elif graph is self._anchor and id(graph) in self._forward_calls and not self._close_queued:
+            self._finish()  # a new step began and no backward came
+            return call()
+        key = id(graph)
+        self._graphs[key] = graph
+        self._forward_calls[key] = self._forward_calls.get(key, 0) + 1
+        with torch.profiler.record_function(GRAPH_CALL_MARKER):
+            outputs = call()
+        node = _compiled_backward_node(outputs) if self.measuring and torch.is_grad_enabled() else None
+        if node is not None:
+            node.register_hook(lambda *_: self._backward_ran(key))
+        return outputs
