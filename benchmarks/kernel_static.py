@@ -1,0 +1,220 @@
+"""Static report of the Triton kernels, compiled ahead of time for sm90 and sm100 (no GPU).
+
+    python benchmarks/kernel_static.py                       # sm90 + sm100, head_dim 64 + 128
+    python benchmarks/kernel_static.py --capabilities 90 --head-dims 128 --first-config
+    python benchmarks/kernel_static.py --out benchmarks/results/kernel_static.json
+
+Each kernel is compiled with a real launch's argument specialisation (`aot.compile_launch`) at
+a training shape (16 heads x 4096 tokens; 4096^2 for quantize and the GEMM) and read with
+`mxcompile.triton_templates.kernel_static`: registers and spilled bytes per thread, shared
+memory, the byte width of global loads and stores (PTX), and the SASS instructions of the main
+loop by class (per warp and iteration; the whole kernel for quantize, which has no loop).
+
+Chosen config: every autotune config of a kernel is compiled (`--first-config`: only the first,
+the Triton tutorial's shape) and the static choice taken (`kernel_static.static_choice`: fewest
+spilled bytes, then fewest instructions issued per element). The bf16 flash-attention
+reference (`triton_templates/flash_attention.py`) is compiled with the chosen tiles, warps and
+stages of the MX kernel it stands beside; the chosen configs are compiled causal too.
+
+The figure: instructions issued per KV tile, MX against bf16 (`kernel_static.issued_per_element`,
+per score element: loop instructions x warps / (BLOCK_M x BLOCK_N)); the backward's is the sum
+of its dK/dV and dQ kernels'. A static proxy: it counts instructions, not their latency or the
+memory traffic, and a spilling kernel's local loads and stores count as instructions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real targets
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+from mxcompile.triton_templates import configs  # noqa: E402
+from mxcompile.triton_templates.kernel_static import (  # noqa: E402
+    CLASSES,
+    KernelStatic,
+    compile_static,
+    issued_per_element,
+    launchers,
+    static_choice,
+)
+
+# The columns of the class table (abbreviations of kernel_static.CLASSES).
+SHORT = {
+    "mma": "mma", "float": "fp", "conversion": "cvt", "integer": "int", "global_load": "ldg",
+    "global_store": "stg", "async_copy": "async", "shared_load": "lds", "shared_store": "sts",
+    "tensor_memory": "tmem", "local": "local", "barrier": "bar", "control": "ctl", "other": "oth",
+}  # fmt: skip
+ATTENTION = ("fwd", "dkdv", "dq")
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--capabilities", type=int, nargs="+", default=[90, 100])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--first-config", action="store_true",
+                   help="compile only each kernel's first autotune config (a quick look)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def _attention_configs(kernel: str) -> list[Any]:
+    if kernel == "fwd":
+        return configs.attention_autotune_configs()
+    return configs.attention_backward_autotune_configs(kernel)
+
+
+def _config_label(config: Any) -> str:
+    tiles = " ".join(
+        f"{k.removeprefix('BLOCK_')}={v}" for k, v in config.kwargs.items() if k != "GROUP_M"
+    )
+    return f"{tiles} w={config.num_warps} s={config.num_stages}"
+
+
+def _widths(widths: dict[str, dict[int, int]]) -> str:
+    names = {"load": "ld", "store": "st", "async_copy": "cp"}
+    parts = []
+    for kind, counts in widths.items():
+        if counts:
+            by_width = sorted(counts.items(), reverse=True)
+            parts.append(names[kind] + " " + ",".join(f"{w}Bx{n}" for w, n in by_width))
+    return "; ".join(parts)
+
+
+def _row(sm: int, label: str, config: Any, static: KernelStatic, issued: float, mark: str) -> str:
+    classes = static.loop_classes if static.loop_classes is not None else static.kernel_classes
+    loop = static.loop_instructions
+    if loop is None:
+        loop = static.kernel_instructions
+    counts = " ".join(f"{classes[c]:>5}" for c in CLASSES)
+    return (f"{sm:>4} {label:30s} {_config_label(config):28s}{mark:1s} {static.registers:>4} "
+            f"{static.spill_bytes:>6} {static.shared_bytes / 1024:>6.1f} {loop:>6} {issued:>7.3f} "
+            f"{counts}   {_widths(static.global_widths)}")
+
+
+def _header() -> str:
+    counts = " ".join(f"{SHORT[c]:>5}" for c in CLASSES)
+    return (f"{'sm':>4} {'kernel':30s} {'config (tiles, warps, stages)':29s} {'regs':>4} {'spill':>6} "
+            f"{'smemK':>6} {'loop':>6} {'iss/el':>7} {counts}   global access widths")
+
+
+def _record(config: Any, static: KernelStatic, issued: float) -> dict[str, Any]:
+    return {"config": {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages},
+            "issued_per_element": issued, **static.to_json()}
+
+
+def _sweep(sm: int, label: str, kernel_name: str, launch: Any, candidates: list[Any],
+           elements: Any) -> tuple[list[dict[str, Any]], int]:  # fmt: skip
+    """Compile every candidate config, print a row each, return (records, chosen index)."""
+    rows = []
+    for config in candidates:
+        warps, stages = config.num_warps, config.num_stages
+        static = compile_static(launch, kernel_name, config.kwargs, sm, warps, stages)
+        rows.append((config, static, issued_per_element(static, warps, elements(config.kwargs))))
+    chosen = static_choice([(static, issued) for _, static, issued in rows])
+    for i, (config, static, issued) in enumerate(rows):
+        print(_row(sm, label, config, static, issued, "*" if i == chosen else ""), flush=True)
+    return [_record(*row) for row in rows], chosen
+
+
+def _scores(tiles: dict[str, int]) -> int:
+    return tiles["BLOCK_M"] * tiles["BLOCK_N"]
+
+
+def attention_report(sm: int, head_dim: int, first_only: bool) -> dict[str, Any]:
+    """Every MX attention config swept non-causal; the chosen one compiled beside the bf16
+    reference, non-causal and causal; the per-KV-tile instruction ratios."""
+    by_causal = {causal: launchers(head_dim, causal) for causal in (False, True)}
+    result: dict[str, Any] = {}
+    issued: dict[tuple[str, str, bool], float] = {}  # (mx | bf16, kernel, causal)
+    for kernel in ATTENTION:
+        mx, bf16 = f"mx_attention_{kernel}", f"bf16_attention_{kernel}"
+        candidates = _attention_configs(kernel)[: 1 if first_only else None]
+        records, chosen = _sweep(sm, f"{mx} d{head_dim}", *by_causal[False][mx], candidates, _scores)
+        result[mx], result[bf16] = {"configs": records, "chosen": chosen}, {}
+        issued[("mx", kernel, False)] = records[chosen]["issued_per_element"]
+        config = candidates[chosen]
+        for causal, label in ((False, bf16), (True, mx), (True, bf16)):
+            kernel_name, launch = by_causal[causal][label]
+            static = compile_static(launch, kernel_name, config.kwargs, sm, config.num_warps,
+                                    config.num_stages)  # fmt: skip
+            value = issued_per_element(static, config.num_warps, _scores(config.kwargs))
+            tag = f"{label} {'causal ' if causal else ''}d{head_dim}"
+            print(_row(sm, tag, config, static, value, ""), flush=True)
+            result[label]["causal" if causal else "chosen_figures"] = _record(config, static, value)
+            issued[(label.split("_")[0], kernel, causal)] = value
+    ratios = {}
+    for causal in (False, True):
+        suffix = "_causal" if causal else ""
+        ratios["forward" + suffix] = issued[("mx", "fwd", causal)] / issued[("bf16", "fwd", causal)]
+        backward = [sum(issued[(kind, k, causal)] for k in ("dkdv", "dq")) for kind in ("mx", "bf16")]
+        ratios["backward" + suffix] = backward[0] / backward[1]
+    result["ratios_mx_over_bf16"] = ratios
+    print(f"{sm:>4} d{head_dim}: instructions issued per KV tile, MX / bf16: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), flush=True)
+    return result
+
+
+def other_kernels_report(sm: int, first_only: bool) -> dict[str, Any]:
+    """The quantize kernel (bf16 in, both axes) and the MX GEMM paths, every autotune config."""
+    kernels = launchers(64, False)  # head_dim is not used by these
+    result: dict[str, Any] = {}
+    quantize_configs = configs.quantize_autotune_configs()[: 1 if first_only else None]
+    records, chosen = _sweep(sm, "quantize", *kernels["quantize"], quantize_configs, _scores)
+    result["quantize"] = {"configs": records, "chosen": chosen}
+    gemm_configs = configs.mx_mm_autotune_configs()[: 1 if first_only else None]
+
+    def products(tiles: dict[str, int]) -> int:
+        return tiles["BLOCK_M"] * tiles["BLOCK_N"] * tiles["BLOCK_K"]
+
+    # The per-block "hopper" path matters on sm90 only: sm100 has block-scaled MMA.
+    paths = ["mx_gemm_dot_scaled"] + (["mx_gemm_hopper"] if sm < 100 else [])
+    for label in paths:
+        records, chosen = _sweep(sm, label, *kernels[label], gemm_configs, products)
+        result[label] = {"configs": records, "chosen": chosen}
+    return result
+
+
+def main() -> int:
+    import triton
+
+    args = _parse()
+    started = time.time()
+    report: dict[str, Any] = {
+        "command": ["python", "benchmarks/kernel_static.py", *sys.argv[1:]],
+        "date": datetime.date.today().isoformat(),
+        "triton": triton.__version__,
+        "static": True,
+        "shapes": {
+            "attention": "16 heads x 4096 tokens, bf16 backward inputs",
+            "gemm_quantize": "4096^2",
+        },
+        "choice": "fewest spilled bytes, then fewest instructions issued per element",
+        "first_config_only": args.first_config,
+        "targets": {},
+    }
+    print(_header())
+    for sm in args.capabilities:
+        target: dict[str, Any] = {}
+        for head_dim in args.head_dims:
+            target[f"head_dim_{head_dim}"] = attention_report(sm, head_dim, args.first_config)
+        target.update(other_kernels_report(sm, args.first_config))
+        report["targets"][f"sm{sm}"] = target
+    report["seconds"] = round(time.time() - started, 1)
+    print(f"compiled in {report['seconds']} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
