@@ -74,7 +74,8 @@ def _check_against_definition(transform, x: torch.Tensor, axis: int, signs: torc
 def test_transform_matches_exact_definition(axis: int) -> None:
     shape = [4, 4, 4]
     shape[axis] = 2 * HADAMARD_SIZE
-    _check_against_definition(random_hadamard_transform, _grid_data(tuple(shape), seed=1), axis, random_signs(seed=1))
+    x = _grid_data(tuple(shape), seed=1)
+    _check_against_definition(random_hadamard_transform, x, axis, random_signs(seed=1))
 
 
 def test_transform_without_signs_fails_the_definition() -> None:
@@ -120,7 +121,8 @@ def test_exactly_invertible_where_exact(axis: int) -> None:
     # Each output is 4 roundings from exact (|error| <= gamma_4 * sum |inputs| / 4, twice).
     block_sum = z.abs().double().unflatten(axis, (-1, HADAMARD_SIZE)).sum(axis + 1, keepdim=True)
     gamma4 = BUTTERFLY_DEPTH * U32 / (1 - BUTTERFLY_DEPTH * U32)
-    bound = (2 * gamma4 + gamma4**2) * block_sum.expand(z.unflatten(axis, (-1, HADAMARD_SIZE)).shape).flatten(axis, axis + 1)
+    per_element = block_sum.expand(z.unflatten(axis, (-1, HADAMARD_SIZE)).shape).flatten(axis, axis + 1)
+    bound = (2 * gamma4 + gamma4**2) * per_element
     assert ((back.double() - z.double()).abs() <= bound).all()
 
 

@@ -132,7 +132,8 @@ def test_scale_float_form_matches_bytes_for_e2m1() -> None:
     """`scale_fp32_from_amax` (the fake quantizer's bitcast-free scales) equals the byte rule for
     the E2M1 row at every fp32 exponent with the mantissas where a rule flips."""
     full = 1 << 23
-    mantissas = sorted({0, 1, full >> 1, full - 1} | {full - (1 << k) + d for k in range(24) for d in (-1, 0, 1)})
+    runs = {full - (1 << k) + d for k in range(24) for d in (-1, 0, 1)}
+    mantissas = sorted({0, 1, full >> 1, full - 1} | runs)
     mantissas = torch.tensor([m for m in mantissas if 0 <= m < full], dtype=torch.int64)
     bits = (torch.arange(256, dtype=torch.int64)[:, None] << 23 | mantissas[None, :]).reshape(-1)
     amax = bits.to(torch.int32).view(torch.float32)
@@ -146,7 +147,8 @@ def test_scale_float_form_matches_bytes_for_e2m1() -> None:
 def _broken_e4m3_scales(x: torch.Tensor, axis: int, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A deliberately broken MXFP4: block scales from E4M3's emax/max instead of E2M1's."""
     blocks = split_blocks(x.float(), axis, BLOCK)
-    scale_bytes = scale_bytes_from_amax(blocks.abs().amax(axis + 1, keepdim=True), E4M3, ScaleMode(scale_mode))
+    amax = blocks.abs().amax(axis + 1, keepdim=True)
+    scale_bytes = scale_bytes_from_amax(amax, E4M3, ScaleMode(scale_mode))
     codes = encode_e2m1(round_e2m1(blocks * inverse_scale_fp32_from_bytes(scale_bytes))).reshape(x.shape)
     return scale_bytes.squeeze(axis + 1).to(torch.uint8), codes
 
@@ -167,9 +169,12 @@ def test_broken_variants_fail(broken) -> None:
         _check(x, "floor", 0, quantize=broken)
 
 
-_finite = st.floats(min_value=-3.0000000054977558e+38, max_value=3.0000000054977558e+38, allow_nan=False, width=32)
+_BIG = 3.0000000054977558e38  # fp32(3e38)
+_finite = st.floats(min_value=-_BIG, max_value=_BIG, allow_nan=False, width=32)
 _octave = st.builds(
-    lambda m, e: m * 2.0**e, st.sampled_from([1.0, 1.25, 1.5, 1.75, 1.125, -1.0, -1.75, 0.0]), st.integers(-30, 30)
+    lambda m, e: m * 2.0**e,
+    st.sampled_from([1.0, 1.25, 1.5, 1.75, 1.125, -1.0, -1.75, 0.0]),
+    st.integers(-30, 30),
 )
 
 

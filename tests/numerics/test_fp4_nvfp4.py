@@ -36,7 +36,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())
 
 
-def _implementation(x: torch.Tensor, axis: int, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (block scales, codes, S_dec)
+
+
+def _implementation(x: torch.Tensor, axis: int, block_2d: bool) -> Quantized:
     t = quantize_nvfp4(x, axis, block_2d=block_2d)
     return t.scale.float(), t.codes, t.tensor_scale
 
@@ -68,7 +71,8 @@ def _octave_data(rows: int, cols: int, seed: int) -> torch.Tensor:
     (subnormal and underflowing scales included) and a wrong block axis shows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g)
-    return x * 2.0 ** torch.randint(-8, 8, (rows, 1), generator=g) * 2.0 ** torch.randint(-8, 8, (1, cols), generator=g)
+    row_scale = 2.0 ** torch.randint(-8, 8, (rows, 1), generator=g)
+    return x * row_scale * 2.0 ** torch.randint(-8, 8, (1, cols), generator=g)
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -134,7 +138,7 @@ def test_special_values_by_hand() -> None:
     assert zero.tensor_scale.item() == ref.round_fp32(1.0 / F32_MAX) and (zero.codes == 0).all()
 
 
-def _torchao_order(x: torch.Tensor, axis: int, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _torchao_order(x: torch.Tensor, axis: int, block_2d: bool) -> Quantized:
     """A deliberately different order, torchao 0.18's `nvfp4_quantize` (written from its
     description): S_dec = A / 2688, s_b = E4M3(clamp((a_b / 6) / S_dec, 2**-6, 448)),
     e_b = (1 / S_dec) / s_b."""
@@ -180,7 +184,8 @@ def test_1d_blocks_give_w_and_wt_different_values() -> None:
 def _tensors(draw) -> torch.Tensor:
     rows = draw(st.integers(1, 3))
     finite = st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, width=32)
-    octave = st.builds(lambda m, e: m * 2.0**e, st.sampled_from([1.0, 1.5, -1.25, 1.75, 0.0, -0.0]), st.integers(-40, 40))
+    mantissas = st.sampled_from([1.0, 1.5, -1.25, 1.75, 0.0, -0.0])
+    octave = st.builds(lambda m, e: m * 2.0**e, mantissas, st.integers(-40, 40))
     values = draw(st.lists(st.one_of(finite, octave), min_size=rows * 2 * BLOCK, max_size=rows * 2 * BLOCK))
     return torch.tensor(values, dtype=torch.float32).reshape(rows, 2 * BLOCK)
 
@@ -195,7 +200,8 @@ def test_tensor_amax_argument_and_errors() -> None:
     x = _octave_data(16, 32, seed=2)
     amax = x.abs().amax()
     assert torch.equal(fake_quantize_nvfp4_along(x, 1, tensor_amax=amax), fake_quantize_nvfp4_along(x, 1))
-    assert torch.equal(fake_quantize_fp4_along(x, 0, NVFP4, block_2d=True), fake_quantize_nvfp4_along(x, 0, block_2d=True))
+    by_row = fake_quantize_fp4_along(x, 0, NVFP4, block_2d=True)
+    assert torch.equal(by_row, fake_quantize_nvfp4_along(x, 0, block_2d=True))
     t = quantize_nvfp4(x)
     assert isinstance(t, FP4Tensor) and t.shape == x.shape and t.data.shape == (16, 16)
     assert t.format is NVFP4 and t.format.elem is E2M1

@@ -61,7 +61,8 @@ def test_matches_reference_for_given_draws() -> None:
     got = round_e2m1_stochastic(torch.tensor(values), torch.tensor(draws))
     want = torch.tensor([ref.e2m1_stochastic(v, u) for v, u in zip(values, draws)])
     same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-    assert same.all(), list(zip(torch.tensor(values)[~same].tolist(), torch.tensor(draws)[~same].tolist()))[:5]
+    bad = list(zip(torch.tensor(values)[~same].tolist(), torch.tensor(draws)[~same].tolist()))
+    assert same.all(), bad[:5]
 
 
 def _octave_data(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -76,7 +77,9 @@ def test_mxfp4_and_nvfp4_stochastic_match_reference() -> None:
         t = quantize_mxfp4(x, scale_mode=scale_mode, rounding="stochastic", uniform=u)
         want_scales, want_codes = [], []
         for row, urow in zip(x.tolist(), u.tolist()):
-            blocks = [ref.mxfp4_block(row[s : s + 32], scale_mode, urow[s : s + 32]) for s in range(0, 64, 32)]
+            blocks = [
+                ref.mxfp4_block(row[s : s + 32], scale_mode, urow[s : s + 32]) for s in range(0, 64, 32)
+            ]
             want_scales.append([b for b, _ in blocks])
             want_codes.append([c for _, codes in blocks for c in codes])
         assert t.scale.view(torch.uint8).tolist() == want_scales and t.codes.tolist() == want_codes
@@ -85,7 +88,8 @@ def test_mxfp4_and_nvfp4_stochastic_match_reference() -> None:
     n = quantize_nvfp4(x, rounding="stochastic", uniform=u)
     want_scales, want_codes, _ = ref.nvfp4_rows(x.tolist(), uniforms=u.tolist())
     assert n.scale.float().tolist() == want_scales and n.codes.tolist() == want_codes
-    assert torch.equal(fake_quantize_nvfp4_along(x, 1, rounding=Rounding.STOCHASTIC, uniform=u), n.dequantize())
+    fake = fake_quantize_nvfp4_along(x, 1, rounding=Rounding.STOCHASTIC, uniform=u)
+    assert torch.equal(fake, n.dequantize())
     # Along axis 0 the draws are read in x's own layout too.
     n0 = quantize_nvfp4(x.t().contiguous(), 0, rounding="stochastic", uniform=u.t().contiguous())
     assert torch.equal(n0.codes.t(), n.codes)
@@ -94,7 +98,8 @@ def test_mxfp4_and_nvfp4_stochastic_match_reference() -> None:
 def test_reproducible_from_seed_or_generator() -> None:
     x = _octave_data(4, 64, seed=22)
     a = quantize_nvfp4(x, rounding="stochastic", uniform=uniform_noise(x.shape, seed=5))
-    b = quantize_nvfp4(x, rounding="stochastic", uniform=uniform_noise(x.shape, generator=torch.Generator().manual_seed(5)))
+    generator = torch.Generator().manual_seed(5)
+    b = quantize_nvfp4(x, rounding="stochastic", uniform=uniform_noise(x.shape, generator=generator))
     c = quantize_nvfp4(x, rounding="stochastic", uniform=uniform_noise(x.shape, seed=6))
     assert torch.equal(a.data, b.data) and not torch.equal(a.data, c.data)
     with pytest.raises(ValueError, match="exactly one of generator= and seed="):
