@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -33,7 +34,7 @@ from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.output_code import OutputCode
 
-from .checkpointed_layers import compile_checkpointed_layers, modules_on_stack
+from .checkpointed_layers import LayerCompiles, layer_compiles, modules_on_stack
 from .compile_cache import load_report, report_key, store_report, tagged
 from .config import MXConfig
 from .coverage import warn_uncompiled
@@ -116,6 +117,37 @@ def _readable(gm: fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+class MXBudgetWarning(UserWarning):
+    """torch's activation_memory_budget holds a value mxcompile's planner cannot take."""
+
+
+def honour_torch_memory_budget(config: MXConfig) -> MXConfig:
+    """`config` with torch's documented knob, `torch._functorch.config.activation_memory_budget`
+    (what torchtitan's memory-budget checkpointing policy sets), as its `memory_budget` fraction
+    when the config has none: torch's fraction scales the same range, from the most aggressive
+    recomputation to keeping everything. Its default, 1.0, changes nothing; 0.0 (recompute
+    everything) is no fraction of that range, so it is ignored with a warning naming the option."""
+    fraction = functorch_config.activation_memory_budget
+    if config.memory_budget is not None or fraction >= 1.0:
+        return config
+    if fraction <= 0.0:
+        warnings.warn(f"torch._functorch.config.activation_memory_budget={fraction} (recompute everything) is "
+                      "ignored by mxcompile, whose planner takes a fraction in (0, 1]: set "
+                      "options={'memory_budget': 0.01} (or bytes, '2GiB') for its most aggressive plans",
+                      MXBudgetWarning, stacklevel=3)
+        return config
+    logger.info("mxcompile: torch._functorch.config.activation_memory_budget=%s taken as memory_budget=%s "
+                "(the memory plan replaces torch's own budgeted partition)", fraction, fraction)
+    return config.replace(memory_budget=float(fraction))
+
+
+def _min_cut_without_torch_budget(*args: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's min-cut partition with its own activation budget off: with a memory_budget the
+    planner decides what to recompute, after this partition (passes/memory_plan.py)."""
+    with functorch_config.patch(activation_memory_budget=1.0):
+        return min_cut_rematerialization_partition(*args, **kwargs)
+
+
 def memory_model_of(lower: Compiler) -> MemoryModel:
     """What a step lowered by `lower` allocates: Inductor fuses pointwise chains; any other
     lowering (the eager one) runs op by op."""
@@ -189,7 +221,9 @@ def compile_graph(
         rewrite(joint, "joint")
         with dynamo_timed(PARTITION_TIMER):
             fw, bw = run_partition_stage(  # plain min-cut unless config.memory_budget is set
-                joint, joint_inputs, config=config, report=report, partition_fn=min_cut_rematerialization_partition,
+                joint, joint_inputs, config=config, report=report,
+                partition_fn=min_cut_rematerialization_partition if config.memory_budget is None
+                else _min_cut_without_torch_budget,
                 num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module,
                 memory_model=memory_model if memory_model is not None else memory_model_of(lower), **kwargs)
         if describe:
@@ -232,10 +266,11 @@ def compile_and_record(
     With Inductor's lowering and no memory budget, torch's compile caches serve the graph when
     they can (keyed with `compile_cache.cache_tag(config)`); the report of a graph they serve is
     the one stored when it was compiled, and its fallback warnings are given again."""
+    config = honour_torch_memory_budget(config)
     # HF gradient checkpointing that dynamo could not trace: its layers compiled on their own
     # (checkpointed_layers.py). The model being compiled is on the stack, as its forward runs.
-    compile_checkpointed_layers(modules_on_stack(), (config, lower),
-                                functools.partial(compile_and_record, config=config, lower=lower))
+    pending = layer_compiles(modules_on_stack(), (config, lower),
+                             functools.partial(compile_and_record, config=config, lower=lower))
     report = Report(config.to_dict())
     # A memory plan depends on the device profile measured on this machine, which the cache key
     # does not cover: graphs with a memory budget are compiled afresh every time.
@@ -263,7 +298,7 @@ def compile_and_record(
             f"({report.summary()}); top reasons: {'; '.join(report.top_kept_reasons(KEPT_REASONS_SHOWN))}. "
             "See mxcompile.reports() or mxcompile.report_of(model) for every decision.",
             MXKeptWarning, stacklevel=2)
-    return _noting_calls(compiled, recorded)
+    return _noting_calls(compiled, recorded, pending)
 
 
 def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -> None:
@@ -280,18 +315,21 @@ def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -
 _STEP_MONITOR = StepMonitor(_record_step_coverage, roots_of_call=modules_on_stack)
 
 
-def _noting_calls(compiled: Callable, recorded: RecordedGraph) -> Callable:
+def _noting_calls(compiled: Callable, recorded: RecordedGraph, layer_changes: list[LayerCompiles]) -> Callable:
     """`compiled`, noting each call's parameters in the report history
     (`RecordedGraph.note_call`): one graph can serve every block of a model. AOTAutograd's
     function takes the graph inputs either as arguments or, behind dynamo's input-flattening
     wrapper, as one list (which it clears); graph inputs are never lists themselves. Until a
-    training step that ran the graph was measured, its calls go through the step monitor."""
+    training step that ran the graph was measured, its calls go through the step monitor. The
+    first call applies `layer_changes` (HF-checkpointed layers found while compiling it)."""
 
     def run(*args: Any) -> Any:
         boxed = len(args) == 1 and isinstance(args[0], list)
         recorded.note_call(args[0] if boxed else args)
         if recorded.measured:
             return compiled(*args)
+        while layer_changes:
+            layer_changes.pop().apply(stacklevel=2)
         return _STEP_MONITOR.run(recorded, lambda: compiled(*args))
 
     return functools.wraps(compiled)(run)
@@ -301,6 +339,7 @@ def reports() -> list[Report]:
     """The reports of the graphs `torch.compile(..., backend="mxfp8")` compiled in this process,
     oldest first: the last RETAINED_REPORTS of them (older ones are dropped). `explain` does
     not add to them."""
+    _STEP_MONITOR.finish_ended_step()  # a measured step whose backward ended: its share in the reports
     return _HISTORY.all()
 
 
@@ -312,6 +351,7 @@ def report_of(model: torch.nn.Module) -> list[Report]:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"report_of takes an nn.Module or a compiled one, got {type(model).__name__}; "
                          "use mxcompile.reports() for compiled functions")
+    _STEP_MONITOR.finish_ended_step()
     return _HISTORY.of_module(module, also=unsharded_parameters(module))  # FSDP2 units: the graphs ran with these
 
 

@@ -10,35 +10,39 @@ precision; `torch.utils.checkpoint.checkpoint` is itself `torch._disable_dynamo`
 under it is compiled either. The backend never sees those GEMMs.
 
 mxcompile changes the form, as torchtitan compiles its blocks: each checkpointed layer's
-`_gradient_checkpointing_func` is wrapped (`LayerCompiledCheckpoint`) so that HF's own
+`_gradient_checkpointing_func` is wrapped (`layer_compiled_checkpoint`) so that HF's own
 checkpoint function (its kwargs, `use_reentrant`, offloading: unchanged) runs the layer's
 forward through one `torch.compile`d function with the same mxcompile backend. The
 checkpointing stays: only the layer inputs are saved, and the backward recomputes the layer,
 now a compiled MX graph (reentrant: an inference graph in the forward, the joint graph in the
 recomputation; non-reentrant: the joint graph both times).
 
-The backend applies it (`compile_checkpointed_layers`) when it compiles a graph: the modules it
-looks at are the `self` of the Python frames on the stack (`modules_on_stack`): dynamo compiles
-the graphs of a model while its forward runs, so the model is one of them, whichever way it was
-compiled (`torch.compile`, `Module.compile`, `mxcompile.compile`). It warns once per call that
-changes layers (`MXCheckpointingWarning`), naming them.
+The backend finds the layers (`layer_compiles`) when it compiles a graph, among the modules
+that are the `self` of the Python frames on the stack (`modules_on_stack`): dynamo compiles the
+graphs of a model while its forward runs, so the model is one of them, whichever way it was
+compiled (`torch.compile`, `Module.compile`, `mxcompile.compile`). It swaps their checkpoint
+functions at the graph's first run (`LayerCompiles.apply`), before the layers run, and warns
+once per model (`MXCheckpointingWarning`), naming them.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
 
 __all__ = [
-    "LayerCompiledCheckpoint",
+    "layer_compiled_checkpoint",
     "MXCheckpointingWarning",
     "checkpointed_layers",
-    "compile_checkpointed_layers",
+    "LayerCompiles",
+    "layer_compiles",
     "modules_on_stack",
 ]
 
@@ -72,26 +76,34 @@ def _layer_runner(backend_key: Hashable, backend: Callable) -> Callable:
     return _RUNNERS[backend_key]
 
 
-class LayerCompiledCheckpoint:
-    """Stands in for a layer's HF `_gradient_checkpointing_func`: calls HF's checkpoint
-    function, unchanged, on the layer's forward compiled by `run_layer`."""
+def _checkpoint_compiled_layer(checkpoint: Callable[..., Any], run_layer: Callable[..., Any],
+                               function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """HF's checkpoint call with the layer's forward compiled by `run_layer`: `checkpoint` is the
+    function HF's partial wraps (torch.utils.checkpoint.checkpoint), `kwargs` its keywords."""
+    return checkpoint(run_layer, function, *args, **kwargs)
 
-    def __init__(self, checkpoint: Callable[..., Any], run_layer: Callable[..., Any]) -> None:
-        self.checkpoint = checkpoint  # HF's function: functools.partial(checkpoint, use_reentrant=...)
-        self.run_layer = run_layer
 
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.checkpoint(self.run_layer, function, *args, **kwargs)
+def layer_compiled_checkpoint(hf_function: Callable[..., Any], run_layer: Callable[..., Any]) -> functools.partial:
+    """What stands in for a layer's HF `_gradient_checkpointing_func` (`hf_function`, usually
+    functools.partial(checkpoint, use_reentrant=...)): a partial with the same keywords, so the
+    checkpoint runs exactly as HF's would, on the compiled forward. Same keywords, because
+    dynamo guards the layer frames it traced on them (a guard on `keywords["use_reentrant"]`)."""
+    if isinstance(hf_function, functools.partial) and not hf_function.args:
+        return functools.partial(_checkpoint_compiled_layer, hf_function.func, run_layer, **hf_function.keywords)
+    return functools.partial(_checkpoint_compiled_layer, hf_function, run_layer)
+
+
+def _is_layer_compiled(function: Any) -> bool:
+    return isinstance(function, functools.partial) and function.func is _checkpoint_compiled_layer
 
 
 def checkpointed_layers(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The (name, module) of `root`'s layers that HF gradient checkpointing is on for and that
-    still call HF's own checkpoint function (not yet a `LayerCompiledCheckpoint`)."""
+    still call HF's own checkpoint function (not yet `layer_compiled_checkpoint`'s)."""
     found = []
     for name, module in root.named_modules():
         function = getattr(module, CHECKPOINT_FUNCTION, None)
-        if getattr(module, CHECKPOINT_FLAG, False) is True and callable(function) \
-                and not isinstance(function, LayerCompiledCheckpoint):
+        if getattr(module, CHECKPOINT_FLAG, False) is True and callable(function) and not _is_layer_compiled(function):
             found.append((name, module))
     return found
 
@@ -115,28 +127,45 @@ def modules_on_stack(frame: types.FrameType | None = None) -> list[nn.Module]:
     return [m for key, m in found.items() if key not in inner]
 
 
-def compile_checkpointed_layers(roots: list[nn.Module], backend_key: Hashable, backend: Callable,
-                                *, stacklevel: int = 2) -> list[str]:
-    """Route every HF-checkpointed layer under `roots` through the layer runner of `backend`
-    (`LayerCompiledCheckpoint`); returns the names of the layers changed, and warns once for
-    them (`MXCheckpointingWarning`). `backend_key` identifies the backend's settings, so that
-    every model compiled with the same settings shares one runner."""
-    changed = []
-    for root in roots:
-        layers = checkpointed_layers(root)
-        if not layers:
-            continue
-        run_layer = _layer_runner(backend_key, backend)
-        for name, layer in layers:
-            setattr(layer, CHECKPOINT_FUNCTION,
-                    LayerCompiledCheckpoint(getattr(layer, CHECKPOINT_FUNCTION), run_layer))
-        names = [name for name, _ in layers]
-        changed.extend(names)
-        shown = ", ".join(names[:LAYER_NAMES_SHOWN]) + (f", ... ({len(names)} in all)"
-                                                       if len(names) > LAYER_NAMES_SHOWN else "")
-        warnings.warn(
-            f"mxcompile: {type(root).__name__} uses Hugging Face gradient checkpointing, which dynamo cannot "
-            f"trace (its layers would run eagerly in full precision); each checkpointed layer is compiled on "
-            f"its own with the same mxcompile settings instead, still checkpointed by HF's function: {shown}",
-            MXCheckpointingWarning, stacklevel=stacklevel + 1)
-    return changed
+@dataclass(frozen=True)
+class LayerCompiles:
+    """The checkpointed layers of one model (`root`) to route through one layer runner."""
+
+    root: nn.Module
+    layers: tuple[tuple[str, nn.Module], ...]
+    run_layer: Callable[..., Any]
+
+    def apply(self, *, stacklevel: int = 2) -> list[str]:
+        """Swap each layer's checkpoint function (those still HF's) and warn once naming them;
+        returns their names."""
+        layers = [(name, layer) for name, layer in self.layers
+                  if not _is_layer_compiled(getattr(layer, CHECKPOINT_FUNCTION, None))]
+        for _, layer in layers:
+            setattr(layer, CHECKPOINT_FUNCTION, layer_compiled_checkpoint(getattr(layer, CHECKPOINT_FUNCTION),
+                                                                          self.run_layer))
+        names = _innermost([name for name, _ in layers])
+        if names:
+            shown = ", ".join(names[:LAYER_NAMES_SHOWN]) + (f", ... ({len(names)} in all)"
+                                                           if len(names) > LAYER_NAMES_SHOWN else "")
+            warnings.warn(
+                f"mxcompile: {type(self.root).__name__} uses Hugging Face gradient checkpointing, which dynamo "
+                f"cannot trace (its layers would run eagerly in full precision); each checkpointed layer is "
+                f"compiled on its own with the same mxcompile settings instead, still checkpointed by HF's "
+                f"function: {shown}", MXCheckpointingWarning, stacklevel=stacklevel + 1)
+        return [name for name, _ in layers]
+
+
+def _innermost(names: list[str]) -> list[str]:
+    """The names with no other name below them (HF flags a model's container, e.g. `model`,
+    beside its layers; the layers are what a user recognises)."""
+    return [n for n in names if not any(other != n and (not n or other.startswith(n + ".")) for other in names)]
+
+
+def layer_compiles(roots: list[nn.Module], backend_key: Hashable, backend: Callable) -> list[LayerCompiles]:
+    """For each of `roots` with HF-checkpointed layers, those layers and the layer runner of
+    `backend` (`backend_key` identifies its settings: every model compiled with the same
+    settings shares one runner). Nothing is changed until `LayerCompiles.apply`: the backend
+    applies them at the first run of the graph it compiled, not while dynamo still builds the
+    guards of the frame it is tracing, which read the checkpoint function."""
+    return [LayerCompiles(root, tuple(layers), _layer_runner(backend_key, backend))
+            for root in roots if (layers := checkpointed_layers(root))]

@@ -45,6 +45,8 @@ __all__ = ["MXEagerWarning", "StepCoverage", "StepMonitor", "eager_gemm_flops"]
 
 WARN_BELOW_FRACTION = 0.90
 GRAPH_CALL_MARKER = "mxcompile.compiled_graph"
+STEP_END_MARKER = "mxcompile.step_end"  # recorded when a backward pass of the measured step ends
+NO_GRAPH_TASK = -1  # torch._C._current_graph_task_id() outside every backward pass
 # Events under which a GEMM is not an eager one: a compiled backward (AOTAutograd's autograd
 # node), Inductor's call of its compiled code, an mxcompile op, dynamo's compile (its timed
 # regions are named "<stage> (dynamo_timed)").
@@ -142,16 +144,17 @@ def _input_shapes_and_storages(event: Any) -> tuple[list[list[int] | None], tupl
     return shapes, tuple(storages)
 
 
-def eager_gemms(roots: Iterable[Any]) -> list[EagerGemm]:
+def eager_gemms(roots: Iterable[Any], before_ns: int | None = None) -> list[EagerGemm]:
     """The GEMMs and attention ops of a profiler event tree (`experimental_event_tree()`: events
-    with `name`, `children` and `extra_fields.inputs`) that no compiled region encloses; an op
-    counted is not searched below (a composite's GEMMs are its own)."""
+    with `name`, `start_time_ns`, `children` and `extra_fields.inputs`) that no compiled region
+    encloses and that began before `before_ns` (when given); an op counted is not searched below
+    (a composite's GEMMs are its own)."""
     found = []
     stack = list(roots)
     while stack:
         event = stack.pop()
         name = event.name
-        if _is_compiled_region(name):
+        if _is_compiled_region(name) or (before_ns is not None and event.start_time_ns >= before_ns):
             continue
         if name in _GEMM_NAMES or name in ATTENTION_FORWARD_OPS or name in ATTENTION_BACKWARD_OPS:
             shapes, storages = _input_shapes_and_storages(event)
@@ -159,6 +162,17 @@ def eager_gemms(roots: Iterable[Any]) -> list[EagerGemm]:
             continue
         stack.extend(event.children)
     return found
+
+
+def step_end_ns(roots: Iterable[Any]) -> int | None:
+    """When the last step-end marker was recorded in a profiler event tree, or None."""
+    stack, ends = list(roots), []
+    while stack:
+        event = stack.pop()
+        if event.name == STEP_END_MARKER:
+            ends.append(event.start_time_ns)
+        stack.extend(event.children)
+    return max(ends) if ends else None
 
 
 @dataclass(frozen=True)
@@ -277,7 +291,8 @@ class StepMonitor:
         self._forward_calls: dict[int, int] = {}
         self._backward_runs: dict[int, int] = {}
         self._roots: list[nn.Module] = []
-        self._close_queued = False
+        self._backward_seen = False
+        self._backward_awaited = False  # a graph called in the window has outputs that need gradients
 
     @property
     def measuring(self) -> bool:
@@ -290,7 +305,7 @@ class StepMonitor:
             return False
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
-        self._anchor, self._close_queued = graph, False
+        self._anchor, self._backward_seen, self._backward_awaited = graph, False, False
         self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
         self._roots = self._roots_of_call()
         return True
@@ -311,7 +326,8 @@ class StepMonitor:
             return
         profiler.stop()
         began = time.perf_counter()
-        gemms = eager_gemms(profiler.profiler.kineto_results.experimental_event_tree())
+        tree = profiler.profiler.kineto_results.experimental_event_tree()
+        gemms = eager_gemms(tree, before_ns=step_end_ns(tree))  # what ran after it is the next step's
         compiled, converted = self._compiled_flops()
         graphs = list(self._graphs.values())
         coverage = StepCoverage(
@@ -325,19 +341,37 @@ class StepMonitor:
             graph.measured = True
         self._on_measured(coverage, graphs)
 
+    @property
+    def _step_ended(self) -> bool:
+        """A backward pass ran through a graph of the window and no backward runs now (a nested
+        one, as reentrant checkpointing runs, is not the end of the step)."""
+        return self._backward_seen and torch._C._current_graph_task_id() == NO_GRAPH_TASK
+
+    def finish_ended_step(self) -> None:
+        """Close the window if its step has ended. The close waits for this, or for the next
+        call of a compiled graph: the profiler cannot be stopped inside the autograd engine (it
+        restores the caller's thread-local state afterwards, and with it a profiler that looks
+        enabled)."""
+        if self.measuring and self._step_ended:
+            self._finish()
+
+    @staticmethod
+    def _mark_step_end() -> None:
+        with torch.profiler.record_function(STEP_END_MARKER):
+            pass
+
     def _backward_ran(self, key: int) -> None:
         self._backward_runs[key] = self._backward_runs.get(key, 0) + 1
-        if not self._close_queued:  # the window closes when the backward pass that got here ends
-            self._close_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._backward_seen = True
+        # Marks where this backward pass ends; the events after the last mark are the next step's.
+        torch.autograd.Variable._execution_engine.queue_callback(self._mark_step_end)
 
     def run(self, graph: Any, call: Callable[[], Any]) -> Any:
         """`call()` (one call of `graph`), measured when a window is or should be open."""
-        if not self.measuring:
-            if graph.measured or not self._start(graph):
-                return call()
-        elif graph is self._anchor and id(graph) in self._forward_calls and not self._close_queued:
-            self._finish()  # a new step began and no backward came
+        no_backward_came = graph is self._anchor and id(graph) in self._forward_calls and not self._backward_awaited
+        if self.measuring and (self._step_ended or no_backward_came):
+            self._finish()  # the step's backward ended, or a new step began without one
+        if not self.measuring and (graph.measured or not self._start(graph)):
             return call()
         key = id(graph)
         self._graphs[key] = graph
@@ -347,4 +381,5 @@ class StepMonitor:
         node = _compiled_backward_node(outputs) if self.measuring and torch.is_grad_enabled() else None
         if node is not None:
             node.register_hook(lambda *_: self._backward_ran(key))
+            self._backward_awaited = True
         return outputs
