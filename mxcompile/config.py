@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .numerics import DEFAULT_BLOCK_SIZE, ElemFormatName, ScaleMode, check_block_size
-from .numerics.formats import NamedEnum
+from .numerics.formats import BITS_PER_BYTE, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, BlockFormat, NamedEnum
 from .planner.budget import MemoryBudget
 
 
@@ -47,6 +48,187 @@ class FsdpAllGather(NamedEnum):
     MXFP8 = "mxfp8"
 
 
+class Recipe(NamedEnum):
+    """The training recipe: which block format the linear layers' GEMMs use, and its switches.
+
+    mxfp8: every GEMM operand MXFP8 (`forward_elem` / `grad_elem`), the default.
+    nvfp4: NVIDIA's NVFP4 pre-training recipe ("Pretraining Large Language Models with NVFP4",
+           2025): linear layers' three GEMMs in NVFP4, 16x16 weight blocks, the random Hadamard
+           transform on the weight-gradient GEMM's inputs, stochastic rounding of gradients,
+           the last ~15% of linear layers and the lm_head in high precision; each part a switch.
+    mxfp4: linear layers' GEMMs in MXFP4 (OCP MX v1.0); stochastic rounding and RHT switches,
+           off by default.
+    """
+
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
+
+
+class OperandKind(NamedEnum):
+    """What a GEMM operand is, which decides its format within a recipe."""
+
+    ACTIVATION = "activation"  # X: a forward value that is not a parameter
+    WEIGHT = "weight"  # W: a parameter (through views)
+    GRADIENT = "gradient"  # dY: a value of the backward that depends on the tangents
+
+
+class GemmRole(NamedEnum):
+    """A linear layer's three GEMMs (the `kind` of a report's decision)."""
+
+    OUTPUT = "output"  # Y = X Wt: activation x weight
+    INPUT_GRAD = "input_grad"  # dX = dY W: gradient x weight
+    WEIGHT_GRAD = "weight_grad"  # dW = dYt X: gradient x activation, contracted over tokens
+
+
+# The switches of the FP4 recipes (MXConfig fields, None: the recipe's default).
+FP4_SWITCHES = ("rht", "stochastic_rounding", "weight_2d", "high_precision_layers")
+# Module names that are a model's output projection (HF: `lm_head`): the NVFP4 recipe keeps it
+# in high precision with the last layers.
+LM_HEAD_PATTERN = r"(^|\.)lm_head$"
+# NVIDIA's NVFP4 recipe keeps about this share of the linear layers (the last ones) in BF16.
+NVFP4_HIGH_PRECISION_FRACTION = 0.15
+
+HighPrecisionLayers = Union[int, float, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class RecipeRow:
+    """One row of the recipe table: the block format of the linear layers' GEMM operands and
+    the defaults of the switches (None: the switch does not apply to this recipe; setting it
+    to anything but off raises)."""
+
+    recipe: Recipe
+    block_format: BlockFormat | None  # None: MXFP8, from forward_elem / grad_elem
+    rht: bool | None
+    stochastic_rounding: bool | None
+    weight_2d: bool | None
+    high_precision_layers: HighPrecisionLayers | None
+    attention: "AttentionMode"  # the attention default of `MXConfig.for_recipe`
+
+
+RECIPES: dict[Recipe, RecipeRow] = {
+    Recipe.MXFP8: RecipeRow(Recipe.MXFP8, None, rht=None, stochastic_rounding=None, weight_2d=None,
+                            high_precision_layers=None, attention=AttentionMode.BOTH),
+    Recipe.NVFP4: RecipeRow(Recipe.NVFP4, NVFP4, rht=True, stochastic_rounding=True, weight_2d=True,
+                            high_precision_layers=NVFP4_HIGH_PRECISION_FRACTION, attention=AttentionMode.OFF),
+    Recipe.MXFP4: RecipeRow(Recipe.MXFP4, MXFP4, rht=False, stochastic_rounding=False, weight_2d=None,
+                            high_precision_layers=0, attention=AttentionMode.OFF),
+}
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """How one GEMM operand is quantized: the block format row (`numerics.BLOCK_FORMATS`),
+    stochastic rounding, 16x16 (2-D) blocks, and the random Hadamard transform along its
+    contraction axis before quantization."""
+
+    block_format: BlockFormat
+    stochastic: bool = False
+    block_2d: bool = False
+    rht: bool = False
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.block_format.elem.bits < BITS_PER_BYTE
+
+    def describe(self) -> str:
+        """The format as the report's operand rows show it, e.g. 'nvfp4 2d', 'nvfp4 sr rht'."""
+        parts = [self.block_format.name]
+        parts += [name for name, on in (("2d", self.block_2d), ("sr", self.stochastic), ("rht", self.rht)) if on]
+        return " ".join(parts)
+
+
+def _check_switch(recipe: Recipe, name: str, value: Any) -> None:
+    if value is None:
+        return
+    row = RECIPES[recipe]
+    if name == "high_precision_layers":
+        _check_high_precision_layers(value)
+        off = value in (0, 0.0, ())
+    else:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} is not accepted; accepted: True, False or None (the recipe's default)")
+        off = value is False
+    if getattr(row, name) is None and not off:
+        applies = [r.value for r, other in RECIPES.items() if getattr(other, name) is not None]
+        raise ValueError(f"{name}={value!r} does not apply to recipe={recipe.value!r}; it applies to {applies}")
+
+
+def _check_high_precision_layers(value: Any) -> None:
+    accepted = ("accepted: a count (int >= 0), a fraction (float in [0, 1]) of the linear layers, "
+                "or module-name regexes (a str or a tuple of str)")
+    if isinstance(value, bool):
+        raise ValueError(f"high_precision_layers={value!r} is not accepted; {accepted}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"high_precision_layers={value!r} is negative; {accepted}")
+    elif isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"high_precision_layers={value!r} is not a fraction in [0, 1]; {accepted}")
+    elif isinstance(value, tuple) and all(isinstance(p, str) for p in value):
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"high_precision_layers pattern {pattern!r} is not a valid regular expression: "
+                                 f"{err}") from None
+    else:
+        raise ValueError(f"high_precision_layers={value!r} is not accepted; {accepted}")
+
+
+@dataclass(frozen=True)
+class FP4Settings:
+    """The resolved FP4 recipe of an `MXConfig` (`MXConfig.fp4`): every switch with the
+    recipe's default applied."""
+
+    recipe: Recipe
+    block_format: BlockFormat
+    rht: bool
+    stochastic_rounding: bool
+    weight_2d: bool
+    high_precision_layers: HighPrecisionLayers
+    seed: int
+
+    def operand_format(self, role: GemmRole, operand: OperandKind) -> OperandFormat:
+        """The format of one operand of a linear layer's GEMM: the recipe's table
+        (NVFP4: weights in 2-D blocks; gradients stochastically rounded; both inputs of the
+        weight-gradient GEMM Hadamard-transformed along the token axis)."""
+        return OperandFormat(
+            self.block_format,
+            stochastic=self.stochastic_rounding and operand is OperandKind.GRADIENT,
+            block_2d=self.weight_2d and operand is OperandKind.WEIGHT,
+            rht=self.rht and role is GemmRole.WEIGHT_GRAD,
+        )
+
+    def high_precision_modules(self, linear_modules: Sequence[str]) -> dict[str, str]:
+        """Which of a graph's linear layers (module names in forward order) stay in high
+        precision, each with its reason. A count or fraction keeps the last layers (a fraction
+        f of n layers: round(f * n), halves up) and, when it is not 0, the lm_head
+        (`LM_HEAD_PATTERN`) besides; patterns keep the modules they match."""
+        setting = self.high_precision_layers
+        if isinstance(setting, tuple):
+            reasons = {}
+            for name in linear_modules:
+                pattern = next((p for p in setting if re.search(p, name)), None)
+                if pattern is not None:
+                    reasons[name] = f"high_precision_layers pattern {pattern!r} keeps module '{name}' in high precision"
+            return reasons
+        heads = [name for name in linear_modules if re.search(LM_HEAD_PATTERN, name)]
+        layers = [name for name in linear_modules if name not in heads]
+        count = setting if isinstance(setting, int) else math.floor(setting * len(layers) + 0.5)
+        if count == 0:
+            return {}
+        kept = layers[len(layers) - min(count, len(layers)):]
+        why = (f"high_precision_layers={setting!r}: the last {len(kept)} of {len(layers)} linear layers "
+               f"stay in high precision ({self.recipe.value} recipe: the final layers are the most sensitive "
+               "to FP4 rounding)")
+        reasons = {name: why for name in kept}
+        reasons.update({name: f"high_precision_layers={setting!r}: the lm_head stays in high precision "
+                              f"({self.recipe.value} recipe)" for name in heads})
+        return reasons
+
+
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "forward_elem": ElemFormatName,
     "grad_elem": ElemFormatName,
@@ -54,6 +236,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "attention": AttentionMode,
     "gemm_kernel": GemmKernel,
     "fsdp_all_gather": FsdpAllGather,
+    "recipe": Recipe,
 }
 
 
@@ -102,6 +285,16 @@ class MXConfig:
     # Robustness.
     fallback: bool = True  # a failure inside a pass warns and runs the unrewritten graph
 
+    # Recipe (RECIPES): mxfp8, or an FP4 recipe for the linear layers' GEMMs, with its
+    # switches; None takes the recipe's default (an FP4 switch set on mxfp8 raises).
+    recipe: Recipe = Recipe.MXFP8
+    rht: bool | None = None  # random Hadamard transform of the weight-gradient GEMM's inputs
+    stochastic_rounding: bool | None = None  # gradients (dY) rounded stochastically
+    weight_2d: bool | None = None  # NVFP4 weights in 16x16 blocks
+    # a count, a fraction of the linear layers (the last ones, and the lm_head), or module regexes
+    high_precision_layers: HighPrecisionLayers | None = None
+    seed: int = 0  # of the stochastic rounding draws and of the Hadamard sign vector
+
     def __post_init__(self) -> None:
         # Strings (as options give them) become enum members here, once; mxcompile reads members.
         for name, kind in _ENUM_FIELDS.items():
@@ -125,6 +318,52 @@ class MXConfig:
             object.__setattr__(self, name, patterns)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", MemoryBudget.parse(self.memory_budget))
+        if isinstance(self.high_precision_layers, str):
+            object.__setattr__(self, "high_precision_layers", (self.high_precision_layers,))
+        elif isinstance(self.high_precision_layers, list):
+            object.__setattr__(self, "high_precision_layers", tuple(self.high_precision_layers))
+        for name in FP4_SWITCHES:
+            _check_switch(self.recipe, name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r}: give a non-negative int")
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe | str, options: Mapping[str, Any] | None = None) -> "MXConfig":
+        """The config of `backend=recipe`: `options` on top of the recipe's defaults (FP4
+        recipes keep attention in high precision unless options set `attention`)."""
+        recipe = _enum_choice("recipe", recipe, Recipe)
+        options = dict(options or {})
+        if options.get("recipe", recipe) != recipe:
+            raise ValueError(f"recipe={options['recipe']!r} contradicts the backend's recipe {recipe.value!r}")
+        return cls.from_options({"attention": RECIPES[recipe].attention, **options, "recipe": recipe})
+
+    @property
+    def fp4(self) -> FP4Settings | None:
+        """The resolved FP4 recipe (switch defaults applied), or None for mxfp8."""
+        row = RECIPES[self.recipe]
+        if row.block_format is None:
+            return None
+
+        def resolved(name: str) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else getattr(row, name)
+
+        return FP4Settings(self.recipe, row.block_format, rht=resolved("rht"),
+                           stochastic_rounding=resolved("stochastic_rounding"),
+                           weight_2d=bool(resolved("weight_2d")),
+                           high_precision_layers=resolved("high_precision_layers"), seed=self.seed)
+
+    def operand_format(self, role: GemmRole, operand: OperandKind) -> OperandFormat:
+        """The format of one operand of a linear layer's GEMM under this config's recipe: one
+        table for every recipe (MXFP8: `forward_elem` for activations and weights, `grad_elem`
+        for gradients, nearest rounding, 1-D blocks of `block_size`)."""
+        fp4 = self.fp4
+        if fp4 is not None:
+            return fp4.operand_format(role, operand)
+        elem = self.grad_elem if operand is OperandKind.GRADIENT else self.forward_elem
+        row = MXFP8_E4M3 if elem is ElemFormatName.E4M3 else MXFP8_E5M2
+        return OperandFormat(row if self.block_size == row.block_size else dataclasses.replace(
+            row, name=f"{row.name}_block{self.block_size}", block_size=self.block_size))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "MXConfig":

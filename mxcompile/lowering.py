@@ -35,12 +35,16 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .ops import CPU_KERNEL_OPS, CUDA_KERNEL_OPS, DECOMPOSITIONS
-from .ops.mx_mm import MX_MM, gemm_operand_dtype
+from .ops.mx_mm import MX_MM, MX_MM_FP4, gemm_operand_dtype
 from .config import GemmKernel
+from .numerics.fp4_operand import fp4_gemm
 from .ops.quantize import (
     DEQUANTIZE,
+    DEQUANTIZE_FP4,
     FAKE_QUANTIZE,
+    FAKE_QUANTIZE_FP4,
     QUANTIZE,
+    QUANTIZE_FP4,
     dequantize_for_inductor,
     fake_quantize_with_casts,
     quantize_with_casts,
@@ -68,6 +72,13 @@ PLANNED_POSITION_KEY = "mxcompile_planned_position"
 
 def _matmul(a, b, out_dtype):
     return torch.matmul(a, b).to(out_dtype)
+
+
+def _fp4_matmul(a: torch.Tensor, a_decode: torch.Tensor, b: torch.Tensor, b_decode: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP4 GEMM on block values (`numerics.fp4_operand.fp4_gemm`)."""
+    return fp4_gemm(a, a_decode, b, b_decode, out_dtype)
+
 
 
 # Multiplying by one is exact (every float, signed zeros, infinities; NaNs stay NaNs).
@@ -102,7 +113,7 @@ def _only_feeds_an_add(node: fx.Node) -> bool:
 
 # The functions lower_mx_gemms puts in graphs; decompose_mx_ops traces them into aten ops.
 _LOWERING_HELPERS = (fake_quantize_with_casts, quantize_with_casts,
-                     dequantize_for_inductor, _matmul, _product_not_fused_with_bias)
+                     dequantize_for_inductor, _matmul, _product_not_fused_with_bias, _fp4_matmul)
 
 
 def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
@@ -168,6 +179,58 @@ def _operand(gm: fx.GraphModule, device: torch.device, args: tuple, cuda_form: C
     return node
 
 
+def _producing_fp4_quantize(data: fx.Node, scale: fx.Node, tensor_scale: fx.Node) -> fx.Node | None:
+    """The mxcompile::quantize_fp4 node whose three outputs these are, if in this graph."""
+    outputs = (data, scale, tensor_scale)
+    if not all(isinstance(n, fx.Node) and n.target is operator.getitem for n in outputs):
+        return None
+    producer = data.args[0]
+    if producer.target is QUANTIZE_FP4 and all(n.args == (producer, i) for i, n in enumerate(outputs)):
+        return producer
+    return None
+
+
+def lower_fp4_gemms(gm: fx.GraphModule) -> int:
+    """Rewrite each mxcompile::mx_mm_fp4 (no FP4 kernel yet: all of them, on every device) into
+    the FP4 GEMM of its operands' block values: an operand quantized in this graph is
+    fake-quantized from its source (`mxcompile::fake_quantize_fp4`: the same draws, transform
+    and rounding, no packing), one that arrives packed (saved by the forward) is dequantized
+    (`mxcompile::dequantize_fp4`). The ops stay opaque. Returns the count."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not MX_MM_FP4:
+            continue
+        a, a_scale, a_decode, b, b_scale, b_decode, block_format, out_dtype = node.args
+        with gm.graph.inserting_before(node):
+            operands = []
+            for data, scale, decode, axis in ((a, a_scale, a_decode, -1), (b, b_scale, b_decode, -2)):
+                producer = _producing_fp4_quantize(data, scale, decode)
+                if producer is not None:
+                    args = (*producer.args, torch.float32)
+                    fake = gm.graph.call_function(FAKE_QUANTIZE_FP4, args)
+                    values = gm.graph.call_function(operator.getitem, (fake, 0))
+                    decode = gm.graph.call_function(operator.getitem, (fake, 1))
+                    if "val" in producer.meta:
+                        fake.meta["val"] = FAKE_QUANTIZE_FP4(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+                        values.meta["val"], decode.meta["val"] = fake.meta["val"]
+                else:
+                    args = (data, scale, axis % data.meta["val"].ndim, block_format, torch.float32)
+                    values = gm.graph.call_function(DEQUANTIZE_FP4, args)
+                    if "val" in data.meta:
+                        values.meta["val"] = DEQUANTIZE_FP4(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+                operands += [values, decode]
+            product = gm.graph.call_function(_fp4_matmul, (*operands, out_dtype))
+            if "val" in node.meta:  # read by the lowering of a GEMM this product feeds
+                product.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
 def lower_mx_gemms(gm: fx.GraphModule) -> int:
     """Rewrite each mxcompile::mx_mm that runs dequantized (`runs_triton_mx_gemm`: all of them
     on CPU) into a high-precision matmul of its dequantized operands.
@@ -200,6 +263,8 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
             product = gm.graph.call_function(_matmul, (*operands, out_dtype))
             if _only_feeds_an_add(node):  # with more users the GEMM's output is stored: no addmm fusion
                 product = gm.graph.call_function(_product_not_fused_with_bias, (product,))
+        if "val" in node.meta:  # the same value as the MX GEMM's: a later operand made from it needs it
+            product.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(product)
         gm.graph.erase_node(node)
         count += 1
@@ -341,6 +406,7 @@ def decompose_mx_ops(
     AOTAutograd, is not traced again. Nodes need their fake values (meta["val"])."""
     lowered = lower_mx_gemms(gm)
     counters["mxcompile"]["dequantized_mx_gemms"] += lowered
+    lowered += lower_fp4_gemms(gm)
     lowered += lower_cuda_quantizes(gm)
     if not lowered and not has_mx_ops(gm, MX_OPS - opaque):
         return gm

@@ -301,6 +301,22 @@ def fake_quantize_nvfp4_along(
     return ((values * scale) * tensor_decode).reshape(x.shape)
 
 
+def nvfp4_block_values(
+    x: torch.Tensor,
+    axis: int,
+    *,
+    block_2d: bool = False,
+    rounding: Rounding = Rounding.NEAREST,
+    uniform: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * s_b in fp32, exact, of x's shape; S_dec, 0-d fp32): NVFP4 split at the tensor scale,
+    as a block-scaled GEMM takes it (the tensor scales applied to its fp32 output). Along a
+    (non-negative) `axis`, in the module's op order; `fake_quantize_nvfp4_along` is
+    (q * s_b) * S_dec."""
+    values, scale, tensor_decode = _nvfp4_values(x, axis, block_2d, rounding_named(rounding), uniform, None)
+    return (values * scale).reshape(x.shape), tensor_decode
+
+
 # ---------------------------------------------------------------------------------------------
 # Both
 
@@ -354,6 +370,7 @@ __all__ = [
     "fake_quantize_mxfp4_along",
     "fake_quantize_nvfp4_along",
     "nvfp4_block_scales",
+    "nvfp4_block_values",
     "nvfp4_tensor_scales",
     "quantize_mxfp4",
     "quantize_nvfp4",

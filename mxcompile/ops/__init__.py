@@ -3,7 +3,9 @@
     quantize   mxcompile::quantize, mxcompile::dequantize, mxcompile::fake_quantize
                (CPU kernels: native, C++ built once per machine; else cpu_kernels, their
                Inductor forms compiled once, dynamic sizes)
-    mx_mm      mxcompile::mx_mm
+               mxcompile::quantize_fp4, dequantize_fp4, fake_quantize_fp4 (the FP4 formats,
+               the block format row a parameter; torch references only)
+    mx_mm      mxcompile::mx_mm, mxcompile::mx_mm_fp4
     attention  mxcompile::attention, mxcompile::attention_backward
                (reference: attention_reference; eligibility: attention_checks)
     offload    mxcompile::offload, mxcompile::reload
@@ -24,12 +26,15 @@ the CPU lowering keeps opaque, their CPU kernels being native code or compiled g
 from __future__ import annotations
 
 from . import attention, cpu_kernels, grouped_mm, offload
-from .mx_mm import MX_MM, gemm_operand_dtype, mx_mm_peak_bytes
+from .mx_mm import MX_MM, MX_MM_FP4, gemm_operand_dtype, mx_mm_peak_bytes
 from .mx_mm import DECOMPOSITIONS as _MX_MM_DECOMPOSITIONS
 from .quantize import (
     DEQUANTIZE,
+    DEQUANTIZE_FP4,
     FAKE_QUANTIZE,
+    FAKE_QUANTIZE_FP4,
     QUANTIZE,
+    QUANTIZE_FP4,
     QUANTIZE_SLICE_ELEMENTS,
     quantize_scratch_bytes,
 )
@@ -44,9 +49,13 @@ __all__ = [
     "CUDA_KERNEL_OPS",
     "DECOMPOSITIONS",
     "DEQUANTIZE",
+    "DEQUANTIZE_FP4",
     "FAKE_QUANTIZE",
+    "FAKE_QUANTIZE_FP4",
     "MX_MM",
+    "MX_MM_FP4",
     "QUANTIZE",
+    "QUANTIZE_FP4",
     "QUANTIZE_SLICE_ELEMENTS",
     "attention",
     "cpu_kernels",

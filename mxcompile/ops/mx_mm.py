@@ -18,6 +18,7 @@ import logging
 import torch
 
 from ..numerics import dequantize_along
+from ..numerics.fp4_operand import fp4_gemm
 
 _log = logging.getLogger(__name__)
 
@@ -169,7 +170,38 @@ def mx_mm_cuda(
     return mx_mm_with_triton(a, a_scale, b, b_scale, block_size, out_dtype)
 
 
+@torch.library.custom_op("mxcompile::mx_mm_fp4", mutates_args=())
+def mx_mm_fp4_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_tensor_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_tensor_scale: torch.Tensor,
+    block_format: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """FP4 GEMM (MXFP4 or NVFP4, `block_format`): a (..., M, K) and b (..., K, N), each packed
+    along K by `mxcompile::quantize_fp4`, with their scale bytes and tensor scales. The block
+    values are multiplied in fp32 and the product times fp32(S_dec(a) * S_dec(b)) is cast to
+    out_dtype (`numerics.fp4_operand.fp4_gemm`). fp32 operands on every device: NVFP4's block
+    values q * s are exact in bf16 too, but a bf16 product would be rounded before the tensor
+    scale is applied."""
+    from .quantize import DEQUANTIZE_FP4
+
+    a_values = DEQUANTIZE_FP4(a, a_scale, a.ndim - 1, block_format, torch.float32)
+    b_values = DEQUANTIZE_FP4(b, b_scale, b.ndim - 2, block_format, torch.float32)
+    return fp4_gemm(a_values, a_tensor_scale, b_values, b_tensor_scale, out_dtype).contiguous()
+
+
+@mx_mm_fp4_op.register_fake
+def _mx_mm_fp4_fake(a, a_scale, a_tensor_scale, b, b_scale, b_tensor_scale, block_format, out_dtype):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return a.new_empty((*batch, a.shape[-2], b.shape[-1]), dtype=out_dtype)
+
+
 MX_MM = torch.ops.mxcompile.mx_mm.default  # the overload the graph passes insert
+MX_MM_FP4 = torch.ops.mxcompile.mx_mm_fp4.default
 
 DECOMPOSITIONS: dict = {
     MX_MM: lambda *a: mx_mm_reference(*a).contiguous(),

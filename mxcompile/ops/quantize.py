@@ -36,6 +36,8 @@ from ..numerics import (
     scales_shape,
 )
 from ..numerics import scale_mode_named  # the ops' argument name shadows it
+from ..numerics.formats import block_format as block_format_named  # the ops' argument name shadows it
+from ..numerics.fp4_operand import fp4_block_values_from_bytes, fp4_operand, quantize_fp4_operand
 from ..numerics.scales import identity
 
 _log = logging.getLogger(__name__)
@@ -330,10 +332,86 @@ def dequantize_for_inductor(
     return dequantize_along(data, scale, axis, block_size, dtype, materialize=materialize)
 
 
+# ---------------------------------------------------------------------------------------------
+# FP4 (MXFP4, NVFP4): the same three ops, with the block format row as a parameter and the FP4
+# recipes' operand options (`numerics.fp4_operand`): 16x16 weight blocks, stochastic rounding
+# with draws seeded from the operand and `seed`, the random Hadamard transform with the signs of
+# `rht_seed` (None: none). Scales travel as uint8 bytes (E8M0 or E4M3 bits), the NVFP4 tensor
+# scale S_dec as a 0-d fp32 tensor (1.0 for MXFP4), which the FP4 GEMM applies to its output.
+# No Triton or native kernel yet: the torch references run on every device, and the lowerings
+# keep the ops opaque (no Inductor decomposition).
+
+
+def _fp4_options(block_format: str, scale_mode: str, block_2d: bool, stochastic: bool, seed: int,
+                 rht_seed: int | None) -> dict[str, Any]:
+    return dict(scale_mode=scale_mode_named(scale_mode), block_2d=block_2d, stochastic=stochastic, seed=seed,
+                rht_seed=rht_seed)
+
+
+@torch.library.custom_op("mxcompile::quantize_fp4", mutates_args=())
+def quantize_fp4_op(
+    x: torch.Tensor, axis: int, block_format: str, scale_mode: str, block_2d: bool, stochastic: bool, seed: int,
+    rht_seed: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP4-quantize x along axis (`numerics.fp4_operand.quantize_fp4_operand`): (uint8 data, two
+    E2M1 codes per byte packed along axis; uint8 scale bytes; 0-d fp32 tensor scale S_dec)."""
+    options = _fp4_options(block_format, scale_mode, block_2d, stochastic, seed, rht_seed)
+    return tuple(t.contiguous() for t in quantize_fp4_operand(  # type: ignore[return-value]
+        x, axis % x.ndim, block_format_named(block_format), **options))
+
+
+@quantize_fp4_op.register_fake
+def _quantize_fp4_fake(x, axis, block_format, scale_mode, block_2d, stochastic, seed, rht_seed):
+    axis %= x.ndim
+    fmt = block_format_named(block_format)
+    packed = list(x.shape)
+    packed[axis] //= fmt.elem.elements_per_byte
+    return (x.new_empty(packed, dtype=torch.uint8),
+            x.new_empty(scales_shape(x.shape, axis, fmt.block_size), dtype=torch.uint8),
+            x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("mxcompile::dequantize_fp4", mutates_args=())
+def dequantize_fp4_op(
+    data: torch.Tensor, scale: torch.Tensor, axis: int, block_format: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """The block values q * s of `quantize_fp4`'s data and scale bytes, as dtype (the tensor
+    scale is not applied: the FP4 GEMM applies it to its output); contiguous."""
+    fmt = block_format_named(block_format)
+    return fp4_block_values_from_bytes(data, scale, axis % data.ndim, fmt, dtype).contiguous()
+
+
+@dequantize_fp4_op.register_fake
+def _dequantize_fp4_fake(data, scale, axis, block_format, dtype):
+    shape = list(data.shape)
+    shape[axis % data.ndim] *= block_format_named(block_format).elem.elements_per_byte
+    return data.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("mxcompile::fake_quantize_fp4", mutates_args=())
+def fake_quantize_fp4_op(
+    x: torch.Tensor, axis: int, block_format: str, scale_mode: str, block_2d: bool, stochastic: bool, seed: int,
+    rht_seed: int | None, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dequantize_fp4(quantize_fp4(x)) without the packed round trip, bit for bit: (block values
+    q * s as dtype, contiguous; the 0-d fp32 tensor scale S_dec)."""
+    options = _fp4_options(block_format, scale_mode, block_2d, stochastic, seed, rht_seed)
+    values, tensor_decode = fp4_operand(x, axis % x.ndim, block_format_named(block_format), **options)
+    return values.to(dtype).contiguous(), tensor_decode
+
+
+@fake_quantize_fp4_op.register_fake
+def _fake_quantize_fp4_fake(x, axis, block_format, scale_mode, block_2d, stochastic, seed, rht_seed, dtype):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((), dtype=torch.float32)
+
+
 # The overloads the graph passes insert.
 QUANTIZE = torch.ops.mxcompile.quantize.default
 DEQUANTIZE = torch.ops.mxcompile.dequantize.default
 FAKE_QUANTIZE = torch.ops.mxcompile.fake_quantize.default
+QUANTIZE_FP4 = torch.ops.mxcompile.quantize_fp4.default
+DEQUANTIZE_FP4 = torch.ops.mxcompile.dequantize_fp4.default
+FAKE_QUANTIZE_FP4 = torch.ops.mxcompile.fake_quantize_fp4.default
 
 # The ops' definitions for Inductor, used to decompose them before Inductor lowers a graph.
 DECOMPOSITIONS: dict = {

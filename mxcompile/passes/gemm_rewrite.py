@@ -7,18 +7,25 @@ precision after the GEMM; the output keeps its dtype. A contraction length that 
 multiple of block_size is zero-padded (static or at run time; the rule is in mx_gemm). An
 ineligible GEMM stays as it is and the reason is recorded; this pass never raises on a model
 it cannot handle.
+
+Under an FP4 recipe (config.fp4: backend="nvfp4" / "mxfp4") each linear layer's GEMM takes a
+format per operand and role from `MXConfig.operand_format` (`linear_gemms` finds them) and
+becomes quantize_fp4 x2 -> mx_mm_fp4, padded to the FP4 block; the recipe's high-precision
+layers are kept with the rule's reason; other GEMMs are decided as under mxfp8 (docs/fp4.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..config import MXConfig
+from ..config import GemmRole, MXConfig, OperandFormat, OperandKind
 from ..distributed.shard_check import sharded_contraction_reason
 from ..ops.grouped_mm import GROUPED_MM as ANY_DTYPE_GROUPED_MM
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
@@ -39,6 +46,7 @@ from .mx_gemm import (
     ContractionPadding,
     contraction_padding,
     emit_mx_gemm,
+    fp4_contraction_padding,
     operand_dtype_reason,
     selection_reason,
 )
@@ -138,11 +146,11 @@ def _ineligibility(
 
 def _rewrite(
     gm: fx.GraphModule, node: fx.Node, pattern: GemmPattern, elems: tuple[str, str],
-    padding: ContractionPadding, config: MXConfig,
+    padding: ContractionPadding, config: MXConfig, formats: tuple[OperandFormat, OperandFormat] | None = None,
 ) -> NodeBuilder:
     result, build = emit_mx_gemm(
         gm, node, node.args[pattern.lhs_arg], node.args[pattern.rhs_arg],
-        (pattern.lhs_contraction_axis, pattern.rhs_contraction_axis), elems, padding, config)
+        (pattern.lhs_contraction_axis, pattern.rhs_contraction_axis), elems, padding, config, formats)
     if pattern.has_bias:
         out_dtype = fake_value(node).dtype
         alpha = node.kwargs.get("alpha", 1)
@@ -236,11 +244,84 @@ def _grouped_decision(
                         operands=operands, **row), len(build.added)
 
 
+# ---------------------------------------------------------------------------------------------
+# FP4 recipes: which GEMMs are a linear layer's, in which role, and each operand's kind. Under
+# an FP4 recipe (config.fp4) a linear layer's three GEMMs take the recipe's formats
+# (MXConfig.operand_format: one table for every recipe); every other GEMM (attention, which
+# attention_rewrite claims first, and GEMMs of two activations) is decided as under mxfp8.
+
+
+@dataclass(frozen=True)
+class LinearGemm:
+    """A GEMM of a linear layer: its role and what each operand (lhs, rhs) is."""
+
+    role: GemmRole
+    operands: tuple[OperandKind, OperandKind]
+
+
+def _parameter_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {placeholders[i] for i in graph_info(gm).param_input_indices if i < len(placeholders)}
+
+
+def _is_parameter(node: Any, parameters: set[fx.Node]) -> bool:
+    """Whether a GEMM operand is a parameter, through views, transposes and casts."""
+    while isinstance(node, fx.Node):
+        if node in parameters:
+            return True
+        if node.op != "call_function" or node.target not in _VIEW_LIKE:
+            return False
+        node = node.args[0]
+    return False
+
+
+def linear_gemms(gm: fx.GraphModule, weight_grads: set[fx.Node],
+                 gradients: set[fx.Node]) -> tuple[dict[fx.Node, LinearGemm], list[str]]:
+    """The linear layers' GEMMs of a graph (output and input-gradient GEMMs: one operand a
+    parameter; weight-gradient GEMMs: the output a parameter's gradient) and the linear
+    layers' module names in forward order."""
+    parameters = _parameter_nodes(gm)
+    found: dict[fx.Node, LinearGemm] = {}
+    order: list[str] = []
+    for node in gm.graph.nodes:
+        pattern = GEMM_PATTERNS.get(node.target) if node.op == "call_function" else None
+        if pattern is None or CLAIMED_KEY in node.meta:
+            continue
+        kind = _gemm_kind(node, weight_grads)
+        operands = (node.args[pattern.lhs_arg], node.args[pattern.rhs_arg])
+        weights = tuple(_is_parameter(n, parameters) for n in operands)
+        if kind != GemmRole.WEIGHT_GRAD.value and not any(weights):
+            continue
+        kinds = tuple(OperandKind.WEIGHT if weight and kind != GemmRole.WEIGHT_GRAD.value
+                      else OperandKind.GRADIENT if n in gradients else OperandKind.ACTIVATION
+                      for n, weight in zip(operands, weights))
+        found[node] = LinearGemm(GemmRole(kind), kinds)  # type: ignore[arg-type]
+        module = module_name(node)
+        if kind == GemmRole.OUTPUT.value and module not in order:
+            order.append(module)
+    return found, order
+
+
+def _fp4_formats(linear: LinearGemm, node: fx.Node, config: MXConfig) -> tuple[OperandFormat, OperandFormat]:
+    """The recipe's format of each operand; 2-D weight blocks only for a 2-D weight operand."""
+    pattern = GEMM_PATTERNS[node.target]
+    formats = []
+    for kind, arg in zip(linear.operands, (pattern.lhs_arg, pattern.rhs_arg)):
+        fmt = config.operand_format(linear.role, kind)
+        if fmt.block_2d and fake_value(node.args[arg]).ndim != 2:
+            fmt = dataclasses.replace(fmt, block_2d=False)
+        formats.append(fmt)
+    return formats[0], formats[1]
+
+
 def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> PassResult:
     """Rewrite the GEMMs of one graph in place; return the decisions and node counts."""
     _lower_fallback_grouped(gm)
     weight_grads = _weight_grad_outputs(gm)
     gradients = nodes_depending_on(tangent_placeholders(gm))
+    fp4 = config.fp4
+    linear, linear_order = linear_gemms(gm, weight_grads, gradients) if fp4 is not None else ({}, [])
+    high_precision = fp4.high_precision_modules(linear_order) if fp4 is not None else {}
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):
@@ -265,15 +346,28 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             config.grad_elem if operand in gradients else config.forward_elem
             for operand in (lhs_node, rhs_node)
         )
-        padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
+        formats = _fp4_formats(linear[node], node, config) if node in linear else None
+        if formats is None:
+            padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
+            names = tuple(elem.value for elem in elems)
+        else:
+            padding = fp4_contraction_padding(lhs.shape[pattern.lhs_contraction_axis], formats[0])
+            names = tuple(fmt.describe() for fmt in formats)
         reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, padding, config)
+        if reason is None and formats is not None and module in high_precision:
+            reason = high_precision[module]
         operands = (
-            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, elems[0].value),
-            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, elems[1].value),
+            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, names[0]),
+            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, names[1]),
         )
         graph = _graph_label(node, graph_name)
         if reason is None:
             reason = f"operands quantized along their contraction axis ({padding.describe()})"
+            if formats is not None:
+                reason = (f"{formats[0].block_format.name} linear-layer GEMM ({kind}: {' x '.join(names)}); "
+                          + reason)
+            elif fp4 is not None:
+                reason += f"; not a linear layer's GEMM: MXFP8 under the {fp4.recipe.value} recipe"
             decision = CONVERTED
         else:
             decision = KEPT
@@ -283,7 +377,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
             decision=decision, reason=reason, operands=operands if decision == CONVERTED else (),
         ))
         if decision == CONVERTED:
-            build = _rewrite(gm, node, pattern, elems, padding, config)
+            build = _rewrite(gm, node, pattern, elems, padding, config, formats)
             added += len(build.added)
             removed += 1
     if added:

@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..config import MXConfig
+from ..config import MXConfig, OperandFormat
 from ..numerics import ElemFormatName
-from ..ops.mx_mm import MX_MM
-from ..ops.quantize import QUANTIZE
+from ..ops.mx_mm import MX_MM, MX_MM_FP4
+from ..ops.quantize import QUANTIZE, QUANTIZE_FP4
 from .graph_facts import NodeBuilder, concrete_int, fake_value, module_name
 from .meta_keys import GEMM_KERNEL_KEY
 
@@ -42,6 +42,7 @@ aten = torch.ops.aten
 MX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # FP8 tensor-core throughput relative to bf16 (Hopper, Blackwell): the most a conversion saves.
 MX_GEMM_SPEEDUP = 2
+FP4_QUANTIZE_OUTPUTS = 3  # mxcompile::quantize_fp4: data, scale bytes, tensor scale
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,16 @@ def pad_along(build: NodeBuilder, operand: fx.Node, axis: int, block_size: int, 
 def emit_mx_gemm(
     gm: fx.GraphModule, node: fx.Node, lhs: fx.Node, rhs: fx.Node, axes: tuple[int, int],
     elems: tuple[ElemFormatName, ElemFormatName], padding: ContractionPadding, config: MXConfig,
+    formats: tuple[OperandFormat, OperandFormat] | None = None,
 ) -> tuple[fx.Node, NodeBuilder]:
     """Insert quantize(lhs along axes[0]), quantize(rhs along axes[1]) -> mx_mm before `node`,
     zero-padding both along the contraction first when `padding.padded`. Returns the mx_mm
-    node (of node's output dtype) and the builder holding every added node."""
+    node (of node's output dtype) and the builder holding every added node.
+
+    `formats` (one `OperandFormat` per operand, `MXConfig.operand_format`), when FP4, emits
+    the FP4 ops instead (`quantize_fp4` x2 -> `mx_mm_fp4`); MXFP8 formats take `elems`."""
+    if formats is not None and formats[0].is_fp4:
+        return _emit_fp4_gemm(gm, node, lhs, rhs, axes, formats, padding, config)
     build = NodeBuilder(gm, node)
     quantized = []
     for operand, axis, elem in ((lhs, axes[0], elems[0]), (rhs, axes[1], elems[1])):
@@ -145,4 +152,30 @@ def emit_mx_gemm(
     out_dtype = fake_value(node).dtype
     result = build.call(MX_MM, *quantized, config.block_size, out_dtype)
     result.meta[GEMM_KERNEL_KEY] = config.gemm_kernel
+    return result, build
+
+
+def fp4_contraction_padding(length: Any, fmt: OperandFormat) -> ContractionPadding:
+    """`contraction_padding` with the FP4 format's own block (NVFP4: 16, MXFP4: 32)."""
+    return contraction_padding(length, fmt.block_format.block_size)
+
+
+def _emit_fp4_gemm(
+    gm: fx.GraphModule, node: fx.Node, lhs: fx.Node, rhs: fx.Node, axes: tuple[int, int],
+    formats: tuple[OperandFormat, OperandFormat], padding: ContractionPadding, config: MXConfig,
+) -> tuple[fx.Node, NodeBuilder]:
+    """`emit_mx_gemm` for FP4 operands: quantize_fp4 (data, scale bytes, tensor scale) per
+    operand, then mx_mm_fp4. Both operands share one block format (the recipe's); the RHT signs
+    (when an operand's format asks for them) and the draws are seeded by `config.seed`."""
+    if formats[0].block_format != formats[1].block_format:
+        raise ValueError(f"an FP4 GEMM takes one block format, got {formats[0].describe()} x {formats[1].describe()}")
+    build = NodeBuilder(gm, node)
+    quantized = []
+    for operand, axis, fmt in ((lhs, axes[0], formats[0]), (rhs, axes[1], formats[1])):
+        if padding.padded:
+            operand = pad_along(build, operand, axis, padding.block_size)
+        q = build.call(QUANTIZE_FP4, operand, axis, fmt.block_format.name, config.scale_mode.value, fmt.block_2d,
+                       fmt.stochastic, config.seed, config.seed if fmt.rht else None)
+        quantized += [build.call(operator.getitem, q, i) for i in range(FP4_QUANTIZE_OUTPUTS)]
+    result = build.call(MX_MM_FP4, *quantized, formats[0].block_format.name, fake_value(node).dtype)
     return result, build

@@ -80,6 +80,9 @@ CHANGED_FIELDS = {
     "hp_weight_grad": True, "include": ("fc1",), "exclude": ("fc1",), "min_gemm_flops": 1,
     "attention": "off", "memory_budget": MemoryBudget.parse(0.5), "offload": True,
     "fsdp_all_gather": "mxfp8", "fallback": False, "gemm_kernel": "dequantized", "smooth_swiglu": True,
+    # issue 48's recipe fields (on mxfp8 the FP4 switches accept their "off" values only)
+    "recipe": "nvfp4", "rht": False, "stochastic_rounding": False, "weight_2d": False,
+    "high_precision_layers": 0, "seed": 1,
 }
 
 
