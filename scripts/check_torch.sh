@@ -25,7 +25,9 @@ if [[ $# -ge 1 && $1 != -- ]]; then venv="$1"; shift; fi
 if [[ $# -ge 1 ]]; then [[ $1 == -- ]] || usage; shift; fi
 # The smoke set: the backend, the model zoo, the numerics, the CLI's inspect, the integrations
 # and a distributed step (DDP, FSDP2, tensor parallelism on 2 gloo processes): about 15 minutes
-# on 2 cores.
+# on 2 cores. tests/models holds the gradient oracle tests (test_gradient_oracle.py: the zoo's
+# gradients bit-identical to the eager MX oracle's, fuzzed blocks, the checks that the oracle
+# can fail), which depend on the CPU's fp32 kernels as well as on torch (docs/correctness.md).
 tests=(tests/backend/test_backend.py tests/models tests/numerics tests/cli/test_inspect.py tests/integrations
        tests/distributed/test_multiprocess.py)
 [[ $# -ge 1 ]] && tests=("$@")

@@ -10,8 +10,9 @@ a lowering step that feeds a GEMM the wrong tensor, gives gradients that differ 
 The rules are the recipe's and the backend's documented ones (README "Numerics", passes/mx_gemm.py):
 - each operand quantized along its contraction axis, blocks of `block_size`, E4M3, `rceil`;
 - a contraction length that is not a multiple of the block is zero-padded (the last partial
-  block quantized on its own), except where padding at least doubles the work (K <= 16 for
-  blocks of 32): those GEMMs stay in high precision;
+  block quantized on its own) and the product taken over the padded length, as an MX GEMM
+  takes whole blocks, except where padding at least doubles the work (K <= 16 for blocks of
+  32): those GEMMs stay in high precision;
 - operands dequantized exactly to fp32 for fp32 outputs, to bf16 for lower-precision outputs
   (on this CPU, which has native bf16 GEMMs), then multiplied with fp32 accumulation and cast
   to the output dtype;
@@ -60,8 +61,10 @@ def _padded_length(length: int, block: int) -> int:
     return -(-length // block) * block
 
 
-def mx_round(x: torch.Tensor, axis: int, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
-    """x rounded to MX along `axis` (zero-padded to whole blocks, then cut back), as `dtype`."""
+def mx_round(x: torch.Tensor, axis: int, dtype: torch.dtype, block: int = BLOCK,
+             keep_padding: bool = False) -> torch.Tensor:
+    """x rounded to MX along `axis` (zero-padded to whole blocks), as `dtype`; the padding is
+    cut back off unless `keep_padding`."""
     axis %= x.ndim
     length = x.shape[axis]
     pad = _padded_length(length, block) - length
@@ -69,7 +72,7 @@ def mx_round(x: torch.Tensor, axis: int, dtype: torch.dtype, block: int = BLOCK)
         widths = [0, 0] * (x.ndim - 1 - axis) + [0, pad]
         x = torch.nn.functional.pad(x, widths)
     rounded = fake_quantize_along(x.float(), axis, E4M3, ScaleMode.RCEIL, block)
-    return rounded.narrow(axis, 0, length).to(dtype)
+    return (rounded if keep_padding else rounded.narrow(axis, 0, length)).to(dtype)
 
 
 def _operand_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -186,9 +189,13 @@ class MXOracle(TorchDispatchMode):
             self.is_paused = before
 
     def _product(self, lhs: torch.Tensor, rhs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The MX GEMM over whole blocks: the operands' zero padding along K stays in the product.
+        The exact sum is the same either way, but an fp32 GEMM kernel's order of summation can
+        depend on K: oneMKL's AVX2 sgemm (the one it runs on AMD CPUs) gives other bits for K=260
+        than for the same operands padded to K=288 (docs/correctness.md)."""
         dtype = _operand_dtype(out_dtype)
-        lhs = mx_round(lhs, -1, dtype, self.block)
-        rhs = mx_round(rhs, -2, dtype, self.block)
+        lhs = mx_round(lhs, -1, dtype, self.block, keep_padding=True)
+        rhs = mx_round(rhs, -2, dtype, self.block, keep_padding=True)
         return torch.matmul(lhs, rhs).to(out_dtype)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -227,7 +234,8 @@ class MXOracle(TorchDispatchMode):
 
     def _grouped(self, func, args, kwargs):
         """aten._grouped_mm: each group's operands rounded along their contraction axis, the
-        groups' spans of a ragged contraction (2-D x 2-D with offsets) padded apiece."""
+        groups' spans of a ragged contraction (2-D x 2-D with offsets) padded apiece, each
+        group's product over its padded span (as `_product`)."""
         lhs, rhs = args[0], args[1]
         offsets = args[2] if len(args) > 2 else kwargs.get("offs")
         if lhs.dtype not in MX_DTYPES or rhs.dtype not in MX_DTYPES:
@@ -237,7 +245,8 @@ class MXOracle(TorchDispatchMode):
         dtype = _operand_dtype(lhs.dtype)
         if lhs.ndim == 2 and rhs.ndim == 2:  # ragged K: groups of the contraction axis
             starts = [0, *offsets.tolist()[:-1]]
-            outputs = [mx_round(lhs[:, s:e], -1, dtype, self.block) @ mx_round(rhs[s:e], -2, dtype, self.block)
+            outputs = [mx_round(lhs[:, s:e], -1, dtype, self.block, keep_padding=True)
+                       @ mx_round(rhs[s:e], -2, dtype, self.block, keep_padding=True)
                        for s, e in zip(starts, offsets.tolist())]
             return torch.stack(outputs).to(lhs.dtype)
         rounded_lhs = mx_round(lhs, -1, dtype, self.block)
