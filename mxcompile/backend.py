@@ -330,7 +330,9 @@ def _noting_calls(compiled: Callable, recorded: RecordedGraph, layer_changes: li
             return compiled(*args)
         while layer_changes:
             layer_changes.pop().apply(stacklevel=2)
-        return _STEP_MONITOR.run(recorded, lambda: compiled(*args))
+        inputs = args[0] if boxed else args
+        first_parameter = next((a for a in inputs if isinstance(a, torch.nn.Parameter)), None)
+        return _STEP_MONITOR.run(recorded, lambda: compiled(*args), first_parameter)
 
     return functools.wraps(compiled)(run)
 
@@ -353,6 +355,14 @@ def report_of(model: torch.nn.Module) -> list[Report]:
                          "use mxcompile.reports() for compiled functions")
     _STEP_MONITOR.finish_ended_step()
     return _HISTORY.of_module(module, also=unsharded_parameters(module))  # FSDP2 units: the graphs ran with these
+
+
+def step_coverage_of(model: torch.nn.Module) -> StepCoverage | None:
+    """The measured first training step of `model` (the module or what torch.compile returned):
+    the share of all its GEMM FLOPs that ran in MX, the GEMMs that ran eagerly outside every
+    compiled graph included (step_coverage.py). None until that step's backward has ended."""
+    measured = [r.step_coverage for r in report_of(model) if r.step_coverage is not None]
+    return measured[-1] if measured else None
 
 
 def clear_reports() -> None:

@@ -6,9 +6,12 @@ one), dynamo runs the code between graphs eagerly, in full precision, and the ba
 told. So the first training step of the graphs mxcompile compiled is measured:
 
 * The window opens at the first call, with gradients enabled, of a compiled graph not measured
-  yet, and closes at the end of the first backward pass that runs through a graph called in it
-  (an autograd hook on that graph's output queues the close at the end of the backward), or at
-  the anchor graph's next call when no backward came.
+  yet. The step ends when a backward pass that ran through a graph of the window is over (an
+  autograd hook on each call's compiled backward node counts its run; a backward nested in
+  another, as reentrant checkpointing runs, is not the end). The window closes at the next call
+  of a compiled graph after that, or at `report_of`/`step_coverage_of`. It also closes, with
+  what it saw, when another step begins without a backward: a graph called again, outside any
+  backward, on the same first parameter, or a graph of another model.
 * In the window, torch.profiler (CPU ops, with shapes) records every op, and each call of an
   mxcompile graph is marked (`GRAPH_CALL_MARKER`). A GEMM (`aten::mm`, `addmm`, `bmm`,
   `baddbmm`, `_grouped_mm`) or attention op (SDPA's forward and its fused backwards) ran
@@ -16,8 +19,9 @@ told. So the first training step of the graphs mxcompile compiled is measured:
   call of a compiled graph, an mxcompile op, or dynamo's compilation (which runs fake or
   calibration GEMMs). Its FLOPs come from its recorded shapes; the module it belongs to from the
   parameter whose storage it read.
-* The compiled graphs' GEMM FLOPs come from their reports, times the calls in the window (a
-  training graph's report holds its forward and backward GEMMs, counted once per forward call).
+* The compiled graphs' GEMM FLOPs come from their reports: a graph's forward GEMMs once per
+  call, its backward GEMMs once per run of its backward (a forward recomputed by non-reentrant
+  checkpointing runs no backward of its own).
 
 The share is `StepCoverage.mx_flop_fraction`: converted GEMM FLOPs of the compiled graphs over all
 GEMM FLOPs of the step, eager ones included. Under `WARN_BELOW_FRACTION` it warns once
@@ -230,13 +234,24 @@ def _graph_break_reasons() -> tuple[str, ...]:
     return tuple(f"{reason.strip().splitlines()[0]} (x{reasons[reason]})" for reason in ranked)
 
 
+def _storage_address(param: torch.Tensor) -> int | None:
+    """Where a parameter's data lives, as the profiler records it; None for a parameter with no
+    storage of its own (an FSDP2 shard is a DTensor: its local shard is read instead)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if local.is_meta or type(local) is not torch.Tensor and not isinstance(local, nn.Parameter):
+        return None
+    return local.untyped_storage().data_ptr()
+
+
 def _module_names(roots: Sequence[nn.Module], gemms: Sequence[EagerGemm]) -> tuple[str, ...]:
     """The modules (of `roots`) whose parameters the eager GEMMs read, most eager FLOPs first."""
     owner: dict[int, str] = {}
     for root in roots:
         for module_name, module in root.named_modules():
             for param in module.parameters(recurse=False):
-                owner.setdefault(param.untyped_storage().data_ptr(), module_name or type(root).__name__)
+                address = _storage_address(param)
+                if address is not None:
+                    owner.setdefault(address, module_name or type(root).__name__)
     flops: dict[str, int] = {}
     for gemm in gemms:
         for storage in gemm.storages:
@@ -286,13 +301,12 @@ class StepMonitor:
         self._on_measured = on_measured
         self._roots_of_call = roots_of_call
         self._profiler: Any = None
-        self._anchor: Any = None
         self._graphs: dict[int, Any] = {}
         self._forward_calls: dict[int, int] = {}
         self._backward_runs: dict[int, int] = {}
         self._roots: list[nn.Module] = []
         self._backward_seen = False
-        self._backward_awaited = False  # a graph called in the window has outputs that need gradients
+        self._calls_seen: set[tuple[int, int]] = set()  # (graph, first parameter) called in the window
 
     @property
     def measuring(self) -> bool:
@@ -301,11 +315,14 @@ class StepMonitor:
     def _start(self, graph: Any) -> bool:
         from torch.profiler import ProfilerActivity, profile
 
-        if torch.autograd._profiler_enabled() or not torch.is_grad_enabled():
+        if (torch.autograd._profiler_enabled() or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != NO_GRAPH_TASK):
+            # Not inside a backward pass either: the engine runs under a copy of the caller's
+            # thread-local state, and a profiler started there is not the caller's to stop.
             return False
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
-        self._anchor, self._backward_seen, self._backward_awaited = graph, False, False
+        self._backward_seen, self._calls_seen = False, set()
         self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
         self._roots = self._roots_of_call()
         return True
@@ -336,7 +353,7 @@ class StepMonitor:
             eager_modules=_module_names(self._roots, gemms), graph_breaks=_graph_break_reasons(),
             graph_calls=sum(self._forward_calls.values()), measure_seconds=time.perf_counter() - began,
         )
-        self._anchor, self._graphs, self._roots = None, {}, []
+        self._graphs, self._roots, self._calls_seen = {}, [], set()
         for graph in graphs:
             graph.measured = True
         self._on_measured(coverage, graphs)
@@ -366,13 +383,26 @@ class StepMonitor:
         # Marks where this backward pass ends; the events after the last mark are the next step's.
         torch.autograd.Variable._execution_engine.queue_callback(self._mark_step_end)
 
-    def run(self, graph: Any, call: Callable[[], Any]) -> Any:
-        """`call()` (one call of `graph`), measured when a window is or should be open."""
-        no_backward_came = graph is self._anchor and id(graph) in self._forward_calls and not self._backward_awaited
-        if self.measuring and (self._step_ended or no_backward_came):
-            self._finish()  # the step's backward ended, or a new step began without one
+    def _new_step(self, graph: Any, first_input: Any) -> bool:
+        """Whether this call, outside any backward pass, begins another step: the same graph
+        called again on the same first parameter (a block graph called once per block is not),
+        so the measured step's backward never came; or a graph of another model is called (the
+        window's model may be gone)."""
+        if torch._C._current_graph_task_id() != NO_GRAPH_TASK:
+            return False  # a recomputation inside the backward
+        if (id(graph), id(first_input)) in self._calls_seen:
+            return True
+        roots = self._roots_of_call()
+        return bool(roots and self._roots) and not any(r is s for r in roots for s in self._roots)
+
+    def run(self, graph: Any, call: Callable[[], Any], first_input: Any = None) -> Any:
+        """`call()` (one call of `graph`, whose first parameter is `first_input`), measured when
+        a window is or should be open."""
+        if self.measuring and (self._step_ended or self._new_step(graph, first_input)):
+            self._finish()  # the step's backward ended, or another step began without one
         if not self.measuring and (graph.measured or not self._start(graph)):
             return call()
+        self._calls_seen.add((id(graph), id(first_input)))
         key = id(graph)
         self._graphs[key] = graph
         self._forward_calls[key] = self._forward_calls.get(key, 0) + 1
@@ -381,5 +411,4 @@ class StepMonitor:
         node = _compiled_backward_node(outputs) if self.measuring and torch.is_grad_enabled() else None
         if node is not None:
             node.register_hook(lambda *_: self._backward_ran(key))
-            self._backward_awaited = True
         return outputs

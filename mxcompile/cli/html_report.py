@@ -75,6 +75,11 @@ def rewrite_section(doc: dict[str, Any]) -> str:
         ["saved activations before → after", num(f"{format_bytes(totals['saved_activation_bytes_before'])} → "
                                                  f"{format_bytes(totals['saved_activation_bytes_after'])}")],
     ]
+    coverage = doc["variants"].get(doc["comparison"]["candidate"], {}).get("step_coverage")
+    if coverage is not None:  # measured while training: eager GEMMs outside the compiled graphs count too
+        rows.append(["GEMM FLOPs in MX in the first training step (run time)",
+                     num(f"{format_percent(coverage['mx_flop_fraction'])}, "
+                         f"{coverage['eager_gemms']} GEMMs eager")])
     return f"<h2>MXFP8 rewrite</h2>{table(['measure', 'value'], rows)}"
 
 

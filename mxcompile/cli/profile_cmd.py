@@ -33,7 +33,7 @@ from ..profiling import (
 from . import plots
 from .common import add_config_argument, add_target_argument, explain_target, positive_int, progress_bar
 from .errors import EXIT_FAILURE, EXIT_USAGE, CLIError
-from .formatting import format_bytes, format_db, format_seconds
+from .formatting import format_bytes, format_db, format_percent, format_seconds
 from .html_report import render_html
 from .options import config_from_overrides
 from .targets import load_target
@@ -174,14 +174,23 @@ def _notes(profiles: dict[str, StepProfile], layers: Sequence[LayerError]) -> li
 
 def _summary_table(profiles: dict[str, StepProfile], comparison: dict[str, Any]) -> Table:
     table = Table(title="Training step (forward + backward)")
-    for column in ("backend", "compile + step 1", "median step", "fastest step", "peak RSS", "peak tensor memory"):
+    for column in ("backend", "compile + step 1", "median step", "fastest step", "peak RSS", "peak tensor memory",
+                   "GEMM FLOPs in MX (run time)"):
         table.add_column(column, justify="left" if column == "backend" else "right")
     for name, p in profiles.items():
         table.add_row(name, format_seconds(p.compile_s), format_seconds(p.median_step_s), format_seconds(p.min_step_s),
-                      format_bytes(p.peak_rss_bytes), format_bytes(p.peak_tensor_bytes))
+                      format_bytes(p.peak_rss_bytes), format_bytes(p.peak_tensor_bytes), _mx_share_text(p))
     table.caption = (f"{CANDIDATE}/{REFERENCE} step time: median {_ratio_text(comparison['median_step_ratio'])}, "
                      f"fastest {_ratio_text(comparison['min_step_ratio'])}")
     return table
+
+
+def _mx_share_text(profile: StepProfile) -> str:
+    """The measured step's MX share of all its GEMM FLOPs (eager ones included), or '-'."""
+    coverage = profile.step_coverage
+    if coverage is None:
+        return "-"
+    return f"{format_percent(coverage['mx_flop_fraction'])} ({coverage['eager_gemms']} GEMMs eager)"
 
 
 def _ratio_text(ratio: float | None) -> str:

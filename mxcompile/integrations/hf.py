@@ -28,7 +28,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..backend import configured_backend, report_of
+from ..backend import configured_backend, report_of, step_coverage_of
 from ..config import MXConfig
 from ..coverage import warn_uncompiled
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 # The keys MXReportCallback adds to each log entry.
 FLOP_FRACTION_KEY = "mx_gemm_flop_fraction"
+STEP_FLOP_FRACTION_KEY = "mx_step_flop_fraction"  # measured at run time: eager GEMMs included
 GRAPHS_KEY = "mx_graphs"
 KEPT_REASONS_SHOWN = 3
 
@@ -86,15 +87,21 @@ class MXShare:
     gemm_flops: int
     converted_flops: int
     kept_reasons: tuple[str, ...]  # the reasons that kept the most GEMM FLOPs, most first
+    # The first training step's share of all its GEMM FLOPs in MX, measured at run time (eager
+    # GEMMs outside every compiled graph included); None until that step has ended.
+    step_flop_fraction: float | None = None
 
     @property
     def converted_flop_fraction(self) -> float:
         return self.converted_flops / self.gemm_flops if self.gemm_flops else 0.0
 
     def summary(self) -> str:
-        """One line, e.g. '2 graphs: 30 of 32 GEMMs in MXFP8, 99.1% of GEMM FLOPs; kept: ...'."""
+        """One line, e.g. '2 graphs: 30 of 32 GEMMs in MXFP8, 99.1% of GEMM FLOPs; the step
+        (run time): 99.1% of its GEMM FLOPs in MX; kept: ...'."""
         line = (f"{self.graphs} graph(s): {self.converted_gemms} of {self.gemms} GEMMs in MXFP8, "
                 f"{self.converted_flop_fraction:.1%} of GEMM FLOPs")
+        if self.step_flop_fraction is not None:
+            line += f"; the step (run time): {self.step_flop_fraction:.1%} of all its GEMM FLOPs in MX"
         return line + (f"; kept: {'; '.join(self.kept_reasons)}" if self.kept_reasons else "")
 
 
@@ -107,6 +114,7 @@ def mx_share(model: torch.nn.Module) -> MXShare:
         for reason, flops, _ in report.kept_flops_by_reason():
             flops_by_reason[reason] = flops_by_reason.get(reason, 0) + flops
     reasons = sorted(flops_by_reason, key=lambda r: -flops_by_reason[r])[:KEPT_REASONS_SHOWN]
+    coverage = step_coverage_of(model)
     return MXShare(
         graphs=len(reports),
         gemms=sum(r.totals()["gemms"] for r in reports),
@@ -114,6 +122,7 @@ def mx_share(model: torch.nn.Module) -> MXShare:
         gemm_flops=sum(r.gemm_flops_total for r in reports),
         converted_flops=sum(r.gemm_flops_converted for r in reports),
         kept_reasons=tuple(reasons),
+        step_flop_fraction=coverage.mx_flop_fraction if coverage is not None else None,
     )
 
 
@@ -121,7 +130,9 @@ class MXReportCallback(TrainerCallback):
     """Records what ran in MXFP8 in the Trainer's logs.
 
     At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs in MXFP8 over all GEMM FLOPs
-    of the model's compiled graphs) and `mx_graphs` (how many graphs were compiled) to the log
+    of the model's compiled graphs), `mx_step_flop_fraction` (the first training step's GEMM
+    FLOPs in MX over all of them, eager GEMMs outside the compiled graphs included, measured at
+    run time; from the first log after that step) and `mx_graphs` (how many graphs were compiled) to the log
     entry in `trainer.state.log_history` (saved with checkpoints in trainer_state.json) and to
     the logs the callbacks after this one see: the Trainer's progress bar or printer (added
     after user callbacks) shows them; the reporters of `report_to` (TensorBoard, W&B, ...) run
@@ -138,6 +149,8 @@ class MXReportCallback(TrainerCallback):
             return
         share = mx_share(model)
         values = {FLOP_FRACTION_KEY: share.converted_flop_fraction, GRAPHS_KEY: share.graphs}
+        if share.step_flop_fraction is not None:
+            values[STEP_FLOP_FRACTION_KEY] = share.step_flop_fraction
         logs.update(values)
         # Trainer.log appended a copy of these logs (with the step) just before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

@@ -11,6 +11,8 @@ gradients set to None first (so they count in the step's peak):
   ``options={"memory_budget": budget}`` (a fraction, or bytes as ``"<n>B"``);
 * both take ``lower="eager"`` to skip Inductor code generation (same partitioners and
   budgets, much faster to compile, slower and more memory-hungry steps): for smoke tests;
+* :func:`hf_checkpointing_step`: ``llama-small`` with Hugging Face gradient checkpointing on
+  (or off), compiled with Inductor or ``backend="mxfp8"`` (issue 46's memory comparison);
 * :func:`plan_report`: the report (``memory_plan``) of the plan a step compiled with a memory
   budget makes, for either lowering, without compiling it with Inductor;
 * :func:`timed_step`: wraps any factory; compiles and warms it up, then times every further
@@ -182,6 +184,32 @@ def torch_budget_step(model: str = "gpt-tiny", activation_memory_budget: float |
         return _train_step(module, compiled, args)
     budget = functools.partial(functorch_config.patch, activation_memory_budget=float(activation_memory_budget))
     return _train_step(module, compiled, args, during=budget)
+
+
+BACKENDS = ("inductor", "mxfp8")
+
+
+def hf_checkpointing_step(backend: str = "mxfp8", checkpointing: bool = True, use_reentrant: bool = False,
+                          batch_size: int = DEFAULT_BATCH_SIZE) -> Step:
+    """One training step of ``llama-small`` called as HF models are (``model(input_ids=...,
+    labels=...)``), with ``model.gradient_checkpointing_enable(use_reentrant=...)`` when
+    ``checkpointing``, compiled with ``torch.compile(model, backend=backend)``: under Inductor
+    dynamo runs the checkpointed layers eagerly (it cannot trace HF's checkpointed call); under
+    mxfp8 each is compiled on its own (mxcompile/checkpointed_layers.py)."""
+    check_choice("backend", backend, BACKENDS)
+    import torch
+
+    model, ids = llama_small(batch_size=batch_size)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": bool(use_reentrant)})
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        compiled(input_ids=ids, labels=ids).loss.backward()
+
+    return step
 
 
 def _memory_budget(memory_budget: float | str) -> Any:

@@ -96,8 +96,12 @@ def tangent_placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
 
 
+# "recompute" and "ac_graph_id": the activation-checkpointing tags (torch.utils.checkpoint traced as
+# a higher-order op, torchtitan's policies); without them on its MX nodes a checkpointed GEMM's
+# output would be saved for the backward instead of recomputed, and checkpointing would save nothing.
 _COPIED_META = ("partitioner_tag", "nn_module_stack", "fwd_nn_module_stack", "stack_trace",
-                "seq_nr", "source_fn_stack", "fwd_source_fn_stack", "autograd_backward")
+                "seq_nr", "source_fn_stack", "fwd_source_fn_stack", "autograd_backward",
+                "recompute", "ac_graph_id")
 
 
 class NodeBuilder:

@@ -79,6 +79,9 @@ class StepProfile:
     notes: list[str] = field(default_factory=list)
     load_average: float | None = None  # 1-minute system load average after the timed steps
     cpu_count: int | None = None  # CPUs this process may run on
+    # mxfp8: the first training step measured at run time (StepCoverage.to_dict: its MX share of
+    # all GEMM FLOPs, eager GEMMs outside the compiled graphs included); None for other backends
+    step_coverage: dict[str, Any] | None = None
 
     @property
     def machine_busy(self) -> bool:
@@ -142,6 +145,12 @@ def _measure_peak_rss(step: Callable[[], None]) -> tuple[int | None, int | None,
     except PeakRssUnavailable as err:
         return None, None, f"peak resident memory not measured: {err}"
     return peak.peak_bytes, peak.before_bytes, None
+
+
+def _step_coverage(model: nn.Module) -> Any:
+    from ..backend import step_coverage_of
+
+    return step_coverage_of(model)
 
 
 def compile_for_backend(model: nn.Module, backend: str, config: MXConfig | None = None) -> Callable[..., Any]:
@@ -222,6 +231,7 @@ def profile_training_step(
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         step = _make_step(model, compile_for_backend(model, backend, config), inputs, autocast_bf16, seed)
         timing = time_step(step, warmup_steps=warmup, time_steps=steps, on_step=notify)
+        coverage = _step_coverage(model) if backend == "mxfp8" else None
         load_average, cpu_count = machine_load()
         operators, classes, timeline = _profile_operators(step, top_operators)
         notify("profile", 1, 1)
@@ -229,4 +239,5 @@ def profile_training_step(
     notes = [problem] if problem else []
     notify("memory", 1, 1)
     return StepProfile(backend, autocast_bf16, timing["first_s"], timing["times_s"], peak, rss_before, timeline,
-                       operators, classes, notes, load_average, cpu_count)
+                       operators, classes, notes, load_average, cpu_count,
+                       coverage.to_dict() if coverage is not None else None)

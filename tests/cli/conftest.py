@@ -83,9 +83,11 @@ def user_target(tmp_path: Path) -> Path:
 # ---- The documented JSON keys (mxcompile/cli/SCHEMA.md) ----------------------------------
 
 REPORT_KEYS = {"schema_version", "config", "totals", "decisions", "passes", "saved_tensors", "graphs",
-               "memory_plan", "fallbacks", "all_gather"}
+               "memory_plan", "fallbacks", "all_gather", "step_coverage"}
 TOTALS_KEYS = {"gemms", "converted", "kept", "gemm_flops", "gemm_flops_converted", "converted_flop_fraction",
-               "saved_activation_bytes_before", "saved_activation_bytes_after"}
+               "saved_activation_bytes_before", "saved_activation_bytes_after", "step_mx_flop_fraction"}
+STEP_COVERAGE_KEYS = {"mx_flop_fraction", "mx_flops", "compiled_flops", "eager_flops", "eager_gemms",
+                      "eager_modules", "graph_breaks", "graph_calls", "measure_seconds"}
 DECISION_KEYS = {"graph", "node", "op", "kind", "shapes", "flops", "module", "decision", "reason", "operands"}
 OPERAND_KEYS = {"name", "shape", "axis", "elem"}
 PASS_KEYS = {"name", "graph", "nodes_added", "nodes_removed"}
@@ -96,7 +98,8 @@ PROFILE_KEYS = {"schema_version", "target", "steps", "warmup", "autocast_bf16", 
                 "variants", "comparison", "layers", "rewrite", "plots", "notes"}
 VARIANT_KEYS = {"backend", "autocast_bf16", "compile_s", "step_times_s", "median_step_s", "min_step_s",
                 "peak_rss_bytes", "rss_before_step_bytes", "peak_step_increase_bytes", "peak_tensor_bytes",
-                "memory_timeline", "operators", "operator_classes", "notes", "load_average", "cpu_count"}
+                "memory_timeline", "operators", "operator_classes", "notes", "load_average", "cpu_count",
+                "step_coverage"}
 OPERATOR_KEYS = {"name", "op_class", "self_cpu_us", "calls"}
 COMPARISON_KEYS = {"reference", "candidate", "median_step_ratio", "min_step_ratio", "peak_rss_ratio",
                    "peak_step_increase_ratio", "peak_tensor_ratio"}
@@ -108,7 +111,7 @@ PLOT_KEYS = {"memory", "sqnr", "operator_time"}
 
 ALL_KEY_SETS = (REPORT_KEYS, TOTALS_KEYS, DECISION_KEYS, OPERAND_KEYS, PASS_KEYS, SAVED_KEYS, GRAPH_KEYS,
                 PROFILE_KEYS, VARIANT_KEYS, OPERATOR_KEYS, COMPARISON_KEYS, LAYER_KEYS, GEMM_KEYS, BLOCK_KEYS,
-                PLOT_KEYS)
+                PLOT_KEYS, STEP_COVERAGE_KEYS)
 
 
 def check_report_keys(data: dict[str, Any]) -> None:

@@ -34,9 +34,11 @@ the block parameters' gradients are compared.
 The comparison can fail: the user model with every GEMM left in high precision reads 3.4-7.3%
 from the oracle at the GEMM weights (`test_high_precision_block_is_caught`, once for the file).
 
-Found here (xfail, strict): the MX rewrite drops the recomputation tags that checkpointing
-puts on the forward GEMMs, so the MX step saves the checkpointed blocks' GEMM outputs instead
-of recomputing them (`test_checkpointed_gemms_are_recomputed_not_saved`).
+Found here, and fixed: the MX rewrite dropped the recomputation tags that checkpointing puts on
+the forward GEMMs, so the MX step saved the checkpointed blocks' GEMM outputs instead of
+recomputing them: 316548 B saved against 50180 B for torch's own checkpointed partition; with
+the tags copied onto every node a pass adds (passes/graph_facts.py), 38020 B
+(`test_checkpointed_gemms_are_recomputed_not_saved`).
 
 torchtitan changes process-wide state; this file restores it after each test: dynamo's
 `capture_scalar_outputs` and `skip_fwd_side_effects_in_bwd_under_checkpoint` (set by
@@ -191,12 +193,6 @@ def test_high_precision_block_is_caught():
     assert min(caught.values()) > INDUCTOR_BOUND, caught
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the MX rewrite gives its mx_mm/quantize nodes no 'recompute' tag (torch tags the 12 forward GEMMs of the "
-    "checkpointed blocks PREFER_RECOMPUTE), so the partition saves them: backward graph 26 mx_mm with or "
-    "without checkpointing (torch's own partition recomputes 11 GEMMs); saved activations 316548 B in MX against "
-    "50180 B for torch's checkpointed partition and 254080 B for MX without checkpointing (2026-12-07). The same "
-    "for torchtitan's FullAC (one block: 164352 B MX vs 21440 B torch) and SelectiveAC (164352 vs 103360)"))
 def test_checkpointed_gemms_are_recomputed_not_saved():
     """Checkpointing's point is memory: the MX step must save no more than torch's own
     partition of the same checkpointed graph (which saves fp32; MX saves fp8 or less)."""

@@ -93,8 +93,15 @@ def _compile_with_torch_compile(model):
     return torch.compile(model, backend="mxfp8")
 
 
+def _compile_in_place_for_the_trainer(model):
+    from mxcompile.integrations.hf import compile_model
+
+    return compile_model(model)  # Module.compile, as the Trainer gets it (tests/integrations/test_hf_trainer.py)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("compile_model", [_compile_with_torch_compile, _compile_with_mxcompile_compile])
+@pytest.mark.parametrize("compile_model", [_compile_with_torch_compile, _compile_with_mxcompile_compile,
+                                           _compile_in_place_for_the_trainer])
 def test_checkpointed_llama_in_mx_through_the_real_backend(compile_model):
     model = _checkpointed("llama", reentrant=False)
     torch._dynamo.reset()

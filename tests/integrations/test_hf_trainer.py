@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mxcompile
-from hf_zoo import assert_converted
+from hf_zoo import MIN_CONVERTED_FLOP_SHARE, assert_converted
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (pip install accelerate)")
@@ -76,6 +76,27 @@ def test_trainer_trains_a_tiny_llama_in_mx(tmp_path) -> None:
     # The callback put the share into each log entry of a step.
     logged = [entry[hf.FLOP_FRACTION_KEY] for entry in trainer.state.log_history if "loss" in entry]
     assert logged == [share.converted_flop_fraction] * STEPS, trainer.state.log_history
+
+
+@pytest.mark.slow
+def test_trainer_with_gradient_checkpointing_trains_in_mx(tmp_path) -> None:
+    """TrainingArguments(gradient_checkpointing=True): the Trainer enables HF's checkpointing in
+    train(), after compile_model; dynamo cannot trace it, so mxcompile compiles each layer on its
+    own and says so. Was (issue 46): 3 GEMMs (the lm_head) in MX, the layers eager in fp32, no
+    warning. The step's run-time share is in the log."""
+    from mxcompile.checkpointed_layers import MXCheckpointingWarning
+
+    model = _tiny_llama()
+    args = _args(tmp_path, gradient_checkpointing=True)
+    trainer = transformers.Trainer(model=hf.compile_model(model, args), args=args,
+                                   train_dataset=_TokenDataset(BATCH * STEPS), callbacks=[hf.MXReportCallback()])
+    with pytest.warns(MXCheckpointingWarning, match="compiled on its own"):
+        trainer.train()
+    coverage = mxcompile.step_coverage_of(model)
+    assert coverage is not None and coverage.eager_gemms == 0, coverage.warning() if coverage else "not measured"
+    logged = [entry.get(hf.STEP_FLOP_FRACTION_KEY) for entry in trainer.state.log_history if "loss" in entry]
+    assert logged[-1] == coverage.mx_flop_fraction >= MIN_CONVERTED_FLOP_SHARE, trainer.state.log_history
+    assert f"{coverage.mx_flop_fraction:.1%}" in hf.mx_share(model).summary()
 
 
 def test_compile_model_refuses_trainer_compilation(tmp_path) -> None:

@@ -1,0 +1,131 @@
+"""The run-time MX share of a training step (mxcompile/step_coverage.py, issue 46).
+
+- the FLOPs of a profiled GEMM or attention op from its shapes, worked by hand;
+- which ops of a profiler event tree ran eagerly (a synthetic tree: no profiler needed);
+- under plain `torch.compile(model, backend="mxfp8")`: a model whose MLP runs outside every
+  compiled graph (a forced graph break: `torch._dynamo.disable`) warns once after its first
+  training step, with the share worked out from the shapes and the MLP's module names; the same
+  model without the break does not warn, and its reports carry a share of 1.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import mxcompile
+from mxcompile.step_coverage import (
+    GRAPH_CALL_MARKER,
+    MXEagerWarning,
+    StepCoverage,
+    eager_gemm_flops,
+    eager_gemms,
+    step_end_ns,
+)
+
+TOKENS, WIDTH, HIDDEN = 64, 64, 256
+
+
+def test_gemm_flops_by_hand():
+    assert eager_gemm_flops("aten::mm", [[8, 32], [32, 16]]) == 2 * 8 * 32 * 16
+    assert eager_gemm_flops("aten::addmm", [[16], [8, 32], [32, 16], None]) == 2 * 8 * 32 * 16
+    assert eager_gemm_flops("aten::bmm", [[3, 8, 32], [3, 32, 16]]) == 2 * 3 * 8 * 32 * 16
+    assert eager_gemm_flops("aten::baddbmm", [[3, 8, 16], [3, 8, 32], [3, 32, 16]]) == 2 * 3 * 8 * 32 * 16
+    # grouped: 2-D x 3-D (rows split among 4 experts) and 2-D x 2-D (the contraction split)
+    assert eager_gemm_flops("aten::_grouped_mm", [[40, 32], [4, 32, 16], [4]]) == 2 * 40 * 32 * 16
+    assert eager_gemm_flops("aten::_grouped_mm", [[32, 40], [40, 16], [4]]) == 2 * 32 * 40 * 16
+    # SDPA: batch 2 x 4 heads, 10 queries, 12 keys, width 8: two GEMMs forward, four backward
+    q, k = [2, 4, 10, 8], [2, 4, 12, 8]
+    assert eager_gemm_flops("aten::scaled_dot_product_attention", [q, k, k]) == 2 * 2 * 8 * 10 * 12 * 8
+    backward = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+    assert eager_gemm_flops(backward, [q, q, k, k]) == 4 * 2 * 8 * 10 * 12 * 8
+    assert eager_gemm_flops("aten::add", [[4], [4]]) == 0
+
+
+def _event(name, children=(), shapes=(), start=0, storages=()):
+    inputs = [SimpleNamespace(sizes=s, storage_data_ptr=p) for s, p in zip(shapes, storages or [0] * len(shapes))]
+    return SimpleNamespace(name=name, children=list(children), start_time_ns=start,
+                           extra_fields=SimpleNamespace(inputs=inputs))
+
+
+def test_eager_ops_are_those_outside_every_compiled_region():
+    mm = lambda start=0: _event("aten::mm", shapes=([4, 8], [8, 2]), start=start, storages=(1, 2))  # noqa: E731
+    tree = [
+        _event("aten::linear", [mm()]),  # eager
+        _event(GRAPH_CALL_MARKER, [mm()]),  # an mxcompile graph's forward
+        _event("autograd::engine::evaluate_function: CompiledFunctionBackward",
+               [_event("CompiledFunctionBackward", [mm()])]),  # a compiled backward
+        _event("mxcompile::mx_mm", [mm()]),  # an MX op's own GEMM
+        _event("backward._backward_impl (dynamo_timed)", [mm()]),  # compiling (fake or calibration GEMMs)
+        _event("aten::matmul", [_event("aten::bmm", shapes=([2, 4, 8], [2, 8, 2]))]),  # eager
+        _event("mxcompile.step_end", start=10),
+        mm(start=11),  # after the step's end: the next step's
+    ]
+    found = eager_gemms(tree, before_ns=step_end_ns(tree))
+    assert sorted((g.op, g.flops) for g in found) == [("aten::bmm", 2 * 2 * 4 * 8 * 2), ("aten::mm", 2 * 4 * 8 * 2)]
+    assert len(eager_gemms(tree)) == 3  # no end given: the next step's GEMM counts too
+
+
+def test_coverage_share_and_warning_text():
+    coverage = StepCoverage(mx_flops=30, compiled_flops=40, eager_flops=60, eager_gemms=2,
+                            eager_modules=("mlp.up", "mlp.down"), graph_breaks=("a break (x2)",), graph_calls=1,
+                            measure_seconds=0.0)
+    assert coverage.mx_flop_fraction == 0.3
+    assert "30.0%" in coverage.warning() and "mlp.up, mlp.down" in coverage.warning()
+    assert "a break (x2)" in coverage.warning() and "TORCH_LOGS=graph_breaks" in coverage.warning()
+
+
+class _Block(nn.Module):
+    """An attention-free block: in-projection, an MLP, out-projection."""
+
+    def __init__(self, eager_mlp: bool):
+        super().__init__()
+        self.proj_in, self.proj_out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
+        self.eager_mlp = eager_mlp
+
+    @torch._dynamo.disable
+    def _mlp_outside_the_graph(self, x):
+        return self.mlp(x)
+
+    def forward(self, x):
+        h = self.proj_in(x)
+        h = h + (self._mlp_outside_the_graph(h) if self.eager_mlp else self.mlp(h))
+        return self.proj_out(h)
+
+
+def _train_two_steps(model):
+    compiled = torch.compile(model, backend="mxfp8")
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)  # the input's gradient too: every GEMM has 3 roles
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+
+
+@pytest.mark.parametrize("eager_mlp", [True, False])
+def test_a_graph_break_around_the_mlp_warns_with_its_share(eager_mlp):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block(eager_mlp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_two_steps(model)
+    eager_warnings = [w for w in caught if issubclass(w.category, MXEagerWarning)]
+    coverage = {r.step_coverage for r in mxcompile.report_of(model)}
+    assert len(coverage) == 1 and None not in coverage, [r.summary() for r in mxcompile.report_of(model)]
+    coverage = coverage.pop()
+    # Each Linear: 3 GEMMs (output, input gradient, weight gradient) of 2 * TOKENS * in * out FLOPs.
+    projections = 2 * 3 * 2 * TOKENS * WIDTH * WIDTH
+    mlp = 2 * 3 * 2 * TOKENS * WIDTH * HIDDEN
+    if eager_mlp:
+        assert (coverage.mx_flops, coverage.eager_flops) == (projections, mlp)
+        assert coverage.eager_gemms == 6 and set(coverage.eager_modules) == {"mlp.0", "mlp.2"}
+        assert len(eager_warnings) == 1, [str(w.message) for w in caught]
+        message = str(eager_warnings[0].message)
+        assert f"{projections / (projections + mlp):.1%}" in message and "mlp.0" in message and "mlp.2" in message
+    else:
+        assert (coverage.mx_flops, coverage.eager_flops, coverage.mx_flop_fraction) == (projections + mlp, 0, 1.0)
+        assert not eager_warnings, [str(w.message) for w in eager_warnings]
