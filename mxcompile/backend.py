@@ -289,6 +289,7 @@ def compile_and_record(
             warnings.warn(f"{fallback}; running this graph without the MXFP8 rewrite (loaded from the "
                           "compile cache; set options={'fallback': False} to raise instead)", stacklevel=2)
     index, recorded = _HISTORY.record(report, example_inputs)
+    recorded.measured = not config.measure_first_step  # a graph marked measured opens no window
     logger.info("mxcompile: compiled graph %d: %s", index, report.summary())
     total = report.gemm_flops_total
     kept = total - report.gemm_flops_converted
@@ -302,7 +303,7 @@ def compile_and_record(
 
 
 def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -> None:
-    """A measured first training step (step_coverage.py): its share goes into the reports of
+    """A measured training step (step_coverage.py): its share goes into the reports of
     the graphs that ran in it, the log, and a warning when too little of it ran in MX."""
     for graph in graphs:
         graph.report.step_coverage = coverage
@@ -311,7 +312,7 @@ def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -
         warnings.warn(coverage.warning(), MXEagerWarning, stacklevel=2)
 
 
-# Measures the first training step of the graphs compiled in this process (step_coverage.py).
+# Measures the first training step after the graphs compiled in this process (step_coverage.py).
 _STEP_MONITOR = StepMonitor(_record_step_coverage, roots_of_call=modules_on_stack)
 
 
@@ -326,10 +327,10 @@ def _noting_calls(compiled: Callable, recorded: RecordedGraph, layer_changes: li
     def run(*args: Any) -> Any:
         boxed = len(args) == 1 and isinstance(args[0], list)
         recorded.note_call(args[0] if boxed else args)
+        while layer_changes:  # empty after the first call
+            layer_changes.pop().apply(stacklevel=2)
         if recorded.measured:
             return compiled(*args)
-        while layer_changes:
-            layer_changes.pop().apply(stacklevel=2)
         inputs = args[0] if boxed else args
         first_parameter = next((a for a in inputs if isinstance(a, torch.nn.Parameter)), None)
         return _STEP_MONITOR.run(recorded, lambda: compiled(*args), first_parameter)
@@ -358,7 +359,7 @@ def report_of(model: torch.nn.Module) -> list[Report]:
 
 
 def step_coverage_of(model: torch.nn.Module) -> StepCoverage | None:
-    """The measured first training step of `model` (the module or what torch.compile returned):
+    """The measured training step of `model` (the first after compiling) (the module or what torch.compile returned):
     the share of all its GEMM FLOPs that ran in MX, the GEMMs that ran eagerly outside every
     compiled graph included (step_coverage.py). None until that step's backward has ended."""
     measured = [r.step_coverage for r in report_of(model) if r.step_coverage is not None]

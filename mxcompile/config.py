@@ -284,6 +284,11 @@ class MXConfig:
 
     # Robustness.
     fallback: bool = True  # a failure inside a pass warns and runs the unrewritten graph
+    # Measure the first training step after compiling at run time (step_coverage.py: torch.profiler
+    # in that step, the share of all its GEMM FLOPs in MX, a warning under 90%). Off by default:
+    # with torch.profiler recording that step, 1 process in 2 to 4 crashed later (a segfault,
+    # torch 2.13 CPU, HF Llama with checkpointing); none crashed without it.
+    measure_first_step: bool = False
 
     # Recipe (RECIPES): mxfp8, or an FP4 recipe for the linear layers' GEMMs, with its
     # switches; None takes the recipe's default (an FP4 switch set on mxfp8 raises).
@@ -300,7 +305,7 @@ class MXConfig:
         for name, kind in _ENUM_FIELDS.items():
             object.__setattr__(self, name, _enum_choice(name, getattr(self, name), kind))
         check_block_size(self.block_size)
-        for name in ("hp_weight_grad", "offload", "fallback", "smooth_swiglu"):
+        for name in ("hp_weight_grad", "offload", "fallback", "smooth_swiglu", "measure_first_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not accepted; accepted: True or False")
         if isinstance(self.min_gemm_flops, bool) or not isinstance(self.min_gemm_flops, int) or self.min_gemm_flops < 0:

@@ -82,7 +82,7 @@ class Report:
     memory_plan: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
     all_gather: dict[str, str] = field(default_factory=dict)  # FSDP2 weight -> all-gather decision
-    # The first training step this graph ran in, measured at run time (step_coverage.py): the
+    # The first training step after this graph compiled, measured at run time (step_coverage.py): the
     # share of all its GEMM FLOPs in MX, eager GEMMs outside every compiled graph included.
     step_coverage: StepCoverage | None = None
 
@@ -117,7 +117,7 @@ class Report:
             "converted_flop_fraction": self.converted_flop_fraction,
             "saved_activation_bytes_before": self.saved_bytes_before,
             "saved_activation_bytes_after": self.saved_bytes_after,
-            # None until the step is measured (after the first training step that ran the graph)
+            # None until the step is measured (after the step that follows its compile step)
             "step_mx_flop_fraction": self.step_coverage.mx_flop_fraction if self.step_coverage else None,
         }
 

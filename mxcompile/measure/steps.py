@@ -190,12 +190,13 @@ BACKENDS = ("inductor", "mxfp8")
 
 
 def hf_checkpointing_step(backend: str = "mxfp8", checkpointing: bool = True, use_reentrant: bool = False,
-                          batch_size: int = DEFAULT_BATCH_SIZE) -> Step:
+                          measure_first_step: bool = False, batch_size: int = DEFAULT_BATCH_SIZE) -> Step:
     """One training step of ``llama-small`` called as HF models are (``model(input_ids=...,
     labels=...)``), with ``model.gradient_checkpointing_enable(use_reentrant=...)`` when
     ``checkpointing``, compiled with ``torch.compile(model, backend=backend)``: under Inductor
     dynamo runs the checkpointed layers eagerly (it cannot trace HF's checkpointed call); under
-    mxfp8 each is compiled on its own (mxcompile/checkpointed_layers.py)."""
+    mxfp8 each is compiled on its own (mxcompile/checkpointed_layers.py). ``measure_first_step``
+    is mxfp8's option of that name (the run-time MX share of the first step)."""
     check_choice("backend", backend, BACKENDS)
     import torch
 
@@ -203,7 +204,8 @@ def hf_checkpointing_step(backend: str = "mxfp8", checkpointing: bool = True, us
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": bool(use_reentrant)})
-    compiled = torch.compile(model, backend=backend)
+    options = {"options": {"measure_first_step": bool(measure_first_step)}} if backend == "mxfp8" else {}
+    compiled = torch.compile(model, backend=backend, **options)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)

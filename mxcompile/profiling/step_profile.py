@@ -79,7 +79,7 @@ class StepProfile:
     notes: list[str] = field(default_factory=list)
     load_average: float | None = None  # 1-minute system load average after the timed steps
     cpu_count: int | None = None  # CPUs this process may run on
-    # mxfp8: the first training step measured at run time (StepCoverage.to_dict: its MX share of
+    # mxfp8: the first training step after compiling, measured at run time (StepCoverage.to_dict: its MX share of
     # all GEMM FLOPs, eager GEMMs outside the compiled graphs included); None for other backends
     step_coverage: dict[str, Any] | None = None
 

@@ -66,9 +66,8 @@ def test_each_compile_leaves_a_report_found_by_its_model(caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "mxcompile"]
     lines = [m for m in messages if m.startswith("mxcompile: compiled graph")]
     assert len(lines) == 3
-    # and one line per measured first training step (step_coverage.py): a's, then b's
-    steps = [m for m in messages if m.startswith("mxcompile: the step: ")]
-    assert len(steps) == 2 and all(m.startswith("mxcompile: the step: 100.0% of ") for m in steps), messages
+    # one step each, the one that compiles: not measured (step_coverage.py measures the next one)
+    assert not [m for m in messages if m.startswith("mxcompile: the step: ")], messages
     assert lines[0].startswith("mxcompile: compiled graph 0: forward+backward: 5 of 5 GEMMs in MXFP8, 100.0%")
     assert lines[0].endswith("0 kept")
 
