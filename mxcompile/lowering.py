@@ -179,6 +179,15 @@ def _operand(gm: fx.GraphModule, device: torch.device, args: tuple, cuda_form: C
     return node
 
 
+def _replace_gemm(gm: fx.GraphModule, node: fx.Node, product: fx.Node) -> None:
+    """`product` (the lowered GEMM) in place of the MX GEMM `node`, with its fake value: a GEMM
+    this product feeds directly is lowered next and reads its operand's value."""
+    if "val" in node.meta:
+        product.meta["val"] = node.meta["val"]
+    node.replace_all_uses_with(product)
+    gm.graph.erase_node(node)
+
+
 def _producing_fp4_quantize(data: fx.Node, scale: fx.Node, tensor_scale: fx.Node) -> fx.Node | None:
     """The mxcompile::quantize_fp4 node whose three outputs these are, if in this graph."""
     outputs = (data, scale, tensor_scale)
@@ -220,10 +229,7 @@ def lower_fp4_gemms(gm: fx.GraphModule) -> int:
                         values.meta["val"] = DEQUANTIZE_FP4(*fx.node.map_arg(args, lambda n: n.meta["val"]))
                 operands += [values, decode]
             product = gm.graph.call_function(_fp4_matmul, (*operands, out_dtype))
-            if "val" in node.meta:  # read by the lowering of a GEMM this product feeds
-                product.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(product)
-        gm.graph.erase_node(node)
+        _replace_gemm(gm, node, product)
         count += 1
     if count:
         gm.graph.eliminate_dead_code()
@@ -263,10 +269,7 @@ def lower_mx_gemms(gm: fx.GraphModule) -> int:
             product = gm.graph.call_function(_matmul, (*operands, out_dtype))
             if _only_feeds_an_add(node):  # with more users the GEMM's output is stored: no addmm fusion
                 product = gm.graph.call_function(_product_not_fused_with_bias, (product,))
-        if "val" in node.meta:  # the same value as the MX GEMM's: a later operand made from it needs it
-            product.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(product)
-        gm.graph.erase_node(node)
+        _replace_gemm(gm, node, product)
         count += 1
     if count:
         gm.graph.eliminate_dead_code()
