@@ -61,6 +61,9 @@ _VIEW_LIKE = {
     aten.permute.default, aten.transpose.int, aten.clone.default, aten._to_copy.default,
     torch.ops.prims.convert_element_type.default,
 }
+# Ops that sum gradient contributions: the gradient of a weight shared by two modules (an
+# lm_head tied to the token embedding) is the sum of each use's weight gradient.
+_GRAD_ACCUMULATE = {aten.add.Tensor}
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ def _flows_to(node: fx.Node, targets: set[fx.Node]) -> bool:
         current = stack.pop()
         if current in targets:
             return True
-        stack.extend(u for u in current.users if u.op == "call_function" and u.target in _VIEW_LIKE)
+        stack.extend(u for u in current.users
+                     if u.op == "call_function" and (u.target in _VIEW_LIKE or u.target in _GRAD_ACCUMULATE))
     return False
 
 
