@@ -365,8 +365,11 @@ class MXConfig:
         fp4 = self.fp4
         if fp4 is not None:
             return fp4.operand_format(role, operand)
-        elem = self.grad_elem if operand is OperandKind.GRADIENT else self.forward_elem
-        row = MXFP8_E4M3 if elem is ElemFormatName.E4M3 else MXFP8_E5M2
+        return self.mx_operand_format(self.grad_elem if operand is OperandKind.GRADIENT else self.forward_elem)
+
+    def mx_operand_format(self, elem: ElemFormatName) -> OperandFormat:
+        """An MXFP8 operand of element format `elem` in blocks of `block_size`."""
+        row = MXFP8_E4M3 if ElemFormatName(elem) is ElemFormatName.E4M3 else MXFP8_E5M2
         return OperandFormat(row if self.block_size == row.block_size else dataclasses.replace(
             row, name=f"{row.name}_block{self.block_size}", block_size=self.block_size))
 

@@ -16,20 +16,62 @@ import torch
 
 from .step_coverage import StepCoverage
 
-REPORT_SCHEMA_VERSION = 1
+# 2: the FP4 recipes (issue 48): `decision` "mxfp8" means converted, to the block format that
+# the decision's new `format` names; operands carry their block format, scales and options.
+REPORT_SCHEMA_VERSION = 2
 
-CONVERTED = "mxfp8"
+CONVERTED = "mxfp8"  # the decision of a converted GEMM, whatever its block format (`GemmDecision.format`)
 KEPT = "kept"
+# The format family (`GemmDecision.format`) of a block format row whose name does not start
+# with one of the FP4 families: the MXFP8 rows (mxfp8_e4m3, mxfp8_e5m2, ..._block16).
+FP4_FAMILIES = ("nvfp4", "mxfp4")
+MXFP8_FAMILY = "mxfp8"
 
 
 @dataclass(frozen=True)
 class OperandQuantization:
-    """How one GEMM operand is quantized: along which axis of which shape, in which format."""
+    """How one GEMM operand is quantized: along which axis of which shape, in which block
+    format (a row of `numerics.BLOCK_FORMATS`), with which scales and options.
+
+    `elem`: the element format of an MXFP8 operand (`e4m3`, `e5m2`); of an FP4 operand, its
+    format with its options as `OperandFormat.describe` writes it (`nvfp4 2d`, `nvfp4 sr rht`)."""
 
     name: str  # the graph node of the operand
     shape: tuple[int, ...]
     axis: int
     elem: str
+    format: str = ""  # the block format row, e.g. "mxfp8_e4m3", "nvfp4", "mxfp4"
+    element: str = ""  # its element format: "e4m3", "e5m2" or "e2m1"
+    block_size: int = 0  # elements per block scale along `axis`
+    scale: str = ""  # the block scale's format: "e8m0" (MX) or "e4m3" (NVFP4)
+    tensor_scale: bool = False  # an fp32 scale per tensor besides (NVFP4)
+    block_2d: bool = False  # 16x16 blocks (NVFP4 weights): W and Wt quantize to the same values
+    stochastic: bool = False  # stochastic rounding (NVFP4 gradients), else round to nearest even
+    rht: bool = False  # random Hadamard transform along `axis` before quantization
+
+    @classmethod
+    def of(cls, name: str, shape: tuple[int, ...], axis: int, fmt: Any) -> "OperandQuantization":
+        """The row of an operand quantized in `fmt` (a `config.OperandFormat`)."""
+        row = fmt.block_format
+        elem = fmt.describe() if fmt.is_fp4 else row.elem.name
+        return cls(name, tuple(shape), axis, elem, format=row.name, element=row.elem.name,
+                   block_size=row.block_size, scale=row.scale_format.value, tensor_scale=row.tensor_scale,
+                   block_2d=fmt.block_2d, stochastic=fmt.stochastic, rht=fmt.rht)
+
+    @property
+    def family(self) -> str:
+        """"nvfp4", "mxfp4" or "mxfp8" (every MXFP8 row, whatever its element or block size)."""
+        return next((f for f in FP4_FAMILIES if self.format.startswith(f)), MXFP8_FAMILY)
+
+    def describe(self) -> str:
+        """The format in a few words: family, element/block size/scale format, then its options,
+        e.g. 'nvfp4 e2m1/16/E4M3, 2-D 16x16', 'nvfp4 e2m1/16/E4M3, stochastic, RHT' or
+        'mxfp8 e4m3/32/E8M0' (NVFP4's fp32 tensor scale is implied: `tensor_scale`)."""
+        if not self.format:
+            return self.elem
+        options = [text for text, on in (("2-D 16x16", self.block_2d), ("stochastic", self.stochastic),
+                                         ("RHT", self.rht)) if on]
+        return ", ".join([f"{self.family} {self.element}/{self.block_size}/{self.scale.upper()}", *options])
 
 
 @dataclass(frozen=True)
@@ -46,6 +88,14 @@ class GemmDecision:
     decision: str  # CONVERTED or KEPT
     reason: str
     operands: tuple[OperandQuantization, ...] = ()
+
+    @property
+    def format(self) -> str:
+        """The block format family a converted GEMM runs in ("nvfp4", "mxfp4", "mxfp8"); ""
+        when kept. An FP4 GEMM's two operands share its family (`passes/mx_gemm.py`)."""
+        if self.decision != CONVERTED:
+            return ""
+        return self.operands[0].family if self.operands else MXFP8_FAMILY
 
 
 @dataclass(frozen=True)
@@ -78,6 +128,9 @@ class Report:
     saved_bytes_before: int = 0  # bytes the forward saves for the backward without the rewrite
     saved_bytes_after: int = 0  # ... and with it
     saved_tensors_after: list[dict[str, Any]] = field(default_factory=list)
+    # The quantized operands among them, one row each (cost.graph_costs.saved_quantized_operands:
+    # format, bytes, bf16 bytes of the operand, ratio); `saved_by_format` sums them per format.
+    saved_quantized: list[dict[str, Any]] = field(default_factory=list)
     graphs: list[GraphSnapshot] = field(default_factory=list)
     memory_plan: dict[str, Any] | None = None
     fallbacks: list[str] = field(default_factory=list)
@@ -115,11 +168,26 @@ class Report:
             "gemm_flops": self.gemm_flops_total,
             "gemm_flops_converted": self.gemm_flops_converted,
             "converted_flop_fraction": self.converted_flop_fraction,
+            "converted_by_format": self.converted_by_format(),
             "saved_activation_bytes_before": self.saved_bytes_before,
             "saved_activation_bytes_after": self.saved_bytes_after,
             # None until the step is measured (after the step that follows its compile step)
             "step_mx_flop_fraction": self.step_coverage.mx_flop_fraction if self.step_coverage else None,
         }
+
+    def saved_by_format(self) -> dict[str, dict[str, Any]]:
+        """The saved quantized operands per format ("nvfp4", "mxfp4"; MXFP8's element format
+        "e4m3"): how many, their bytes (data, scales, tensor scales), the bytes their operands
+        take in bf16, and the ratio of the two (`to_bf16`)."""
+        totals: dict[str, dict[str, Any]] = {}
+        for row in self.saved_quantized:
+            entry = totals.setdefault(row["format"], {"operands": 0, "bytes": 0, "bf16_bytes": 0})
+            entry["operands"] += 1
+            entry["bytes"] += row["bytes"]
+            entry["bf16_bytes"] += row["bf16_bytes"]
+        for entry in totals.values():
+            entry["to_bf16"] = entry["bytes"] / entry["bf16_bytes"] if entry["bf16_bytes"] else None
+        return totals
 
     def kept_flops_by_reason(self) -> list[tuple[str, int, int]]:
         """(reason, kept GEMM FLOPs, kept GEMM count) per distinct reason, most FLOPs first."""
@@ -137,14 +205,29 @@ class Report:
         return [f"{reason} ({n} GEMM{'s' if n > 1 else ''}, {flops / total:.1%} of GEMM FLOPs)"
                 for reason, flops, n in self.kept_flops_by_reason()[:count]]
 
+    def converted_by_format(self) -> dict[str, int]:
+        """Converted GEMMs per block format family ("nvfp4", "mxfp4", "mxfp8"), most first."""
+        counts = collections.Counter(d.format for d in self.decisions if d.decision == CONVERTED)
+        return dict(counts.most_common())
+
     def summary(self) -> str:
-        """One line: GEMMs and GEMM FLOPs converted, and how many GEMMs were kept."""
+        """One line: GEMMs and GEMM FLOPs converted, in which formats (and under which recipe, for
+        an FP4 one), and how many GEMMs were kept."""
         t = self.totals()
+        recipe = str(self.config.get("recipe") or MXFP8_FAMILY)
         if not t["gemms"]:
-            return "no GEMMs in this graph: nothing to run in MXFP8"
+            return f"no GEMMs in this graph: nothing to run in {recipe.upper()}"
         graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions))
-        line = (f"{graphs}: {t['converted']} of {t['gemms']} GEMMs in MXFP8, "
+        formats = t["converted_by_format"]
+        if len(formats) <= 1:
+            converted = f"{t['converted']} of {t['gemms']} GEMMs in {next(iter(formats), recipe).upper()}"
+        else:
+            shares = ", ".join(f"{family.upper()} {n}" for family, n in formats.items())
+            converted = f"{t['converted']} of {t['gemms']} GEMMs converted ({shares})"
+        line = (f"{graphs}: {converted}, "
                 f"{t['converted_flop_fraction']:.1%} of {t['gemm_flops']:.3g} GEMM FLOPs; {t['kept']} kept")
+        if recipe != MXFP8_FAMILY:
+            line += f" ({recipe} recipe)"
         return line + (f"; {self.step_coverage.summary()}" if self.step_coverage else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,7 +235,7 @@ class Report:
             "schema_version": REPORT_SCHEMA_VERSION,
             "config": self.config,
             "totals": self.totals(),
-            "decisions": [asdict(d) for d in self.decisions],
+            "decisions": [{**asdict(d), "format": d.format} for d in self.decisions],
             "passes": [
                 {k: v for k, v in asdict(p).items() if k != "decisions"} for p in self.passes
             ],

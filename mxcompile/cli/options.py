@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Sequence
 
-from ..config import MXConfig
+from ..config import FP4_SWITCHES, MXConfig, Recipe
 from .errors import CLIError
 
 _BOOLEANS = {"true": True, "false": False}
@@ -55,12 +55,25 @@ def parse_overrides(items: Sequence[str] | None) -> dict[str, Any]:
     return options
 
 
-def config_from_overrides(items: Sequence[str] | None) -> MXConfig:
-    """MXConfig with the given overrides; CLIError naming the bad key or value otherwise."""
+def config_from_overrides(items: Sequence[str] | None, backend: str | None = None) -> MXConfig:
+    """The config of `backend` ("mxfp8", "nvfp4" or "mxfp4"; None: the `recipe` override, else
+    mxfp8) with the given overrides on top of its recipe's defaults, as
+    `torch.compile(model, backend=..., options={...})` makes it (`MXConfig.for_recipe`);
+    CLIError naming the bad key or value otherwise."""
+    options = parse_overrides(items)
     try:
-        return MXConfig.from_options(parse_overrides(items))
+        return MXConfig.for_recipe(backend or options.get("recipe", Recipe.MXFP8), options)
     except (ValueError, TypeError) as err:
         raise CLIError(f"--config: {err}") from err
+
+
+def fp4_settings_line(config: MXConfig) -> str | None:
+    """The resolved switches of an FP4 recipe (each default applied), or None under mxfp8."""
+    fp4 = config.fp4
+    if fp4 is None:
+        return None
+    switches = ", ".join(f"{name}={getattr(fp4, name)!r}" for name in FP4_SWITCHES)
+    return f"{fp4.recipe.value} recipe: {fp4.block_format.name} GEMMs, {switches}, seed={fp4.seed}"
 
 
 def changed_settings(config: MXConfig) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from ..report import CONVERTED, GraphSnapshot, Report
+from ..config import Recipe
+from ..report import CONVERTED, KEPT, GemmDecision, GraphSnapshot, Report
 from .formatting import format_bytes, format_change, format_duration, format_flops, format_percent, format_shapes
 
 MX_OP_MARKER = "torch.ops.mxcompile."  # graph lines calling mxcompile ops are highlighted
@@ -30,6 +31,8 @@ GRAPH_SELECTION = {
 NO_MEMORY_PLAN = "no memory budget set"
 PLAN_MAX_DEPTH = 2  # nested sections of the memory plan shown before falling back to JSON
 BYTES_SUFFIX = "bytes"
+FORMATS_COLUMN = "operand formats (lhs, rhs)"
+FORMATS_MAX_WIDTH = 36  # one operand's format per line ('nvfp4 e2m1/16/E4M3, stochastic, RHT'): the reason keeps the room
 SECONDS_SUFFIX = "_s"
 
 
@@ -37,18 +40,31 @@ def decision_style(decision: str) -> str:
     return "green" if decision == CONVERTED else "yellow"
 
 
+def decision_label(decision: GemmDecision) -> str:
+    """What the decision column shows: the block format a converted GEMM runs in, or 'kept'."""
+    return decision.format or decision.decision
+
+
+def operand_formats(decision: GemmDecision) -> str:
+    """Each operand's format (`OperandQuantization.describe`), one line each (lhs, then rhs);
+    '—' when kept."""
+    return "\n".join(o.describe() for o in decision.operands) or "—"
+
+
 def decisions_table(report: Report) -> Table:
     table = Table(title="GEMM and attention decisions", show_lines=False, expand=False)
     for column, justify, wrap in (("graph", "left", False), ("node", "left", False), ("kind", "left", False),
                                   ("module", "left", False), ("shapes", "left", False), ("FLOPs", "right", False),
-                                  ("decision", "left", False), ("reason", "left", True)):
-        table.add_column(column, justify=justify, no_wrap=not wrap, overflow="fold")  # type: ignore[arg-type]
+                                  ("decision", "left", False), (FORMATS_COLUMN, "left", True),
+                                  ("reason", "left", True)):
+        table.add_column(column, justify=justify, no_wrap=not wrap, overflow="fold",  # type: ignore[arg-type]
+                         max_width=FORMATS_MAX_WIDTH if column == FORMATS_COLUMN else None)
     for d in report.decisions:
         table.add_row(d.graph, d.node, d.kind, d.module or "—", format_shapes(d.shapes),
-                      format_flops(d.flops), Text(d.decision, style=decision_style(d.decision)),
-                      d.reason)
+                      format_flops(d.flops), Text(decision_label(d), style=decision_style(d.decision)),
+                      operand_formats(d), d.reason)
     if not report.decisions:
-        table.add_row("—", "—", "—", "—", "—", "—", "—", "no GEMM or attention node found")
+        table.add_row("—", "—", "—", "—", "—", "—", "—", "—", "no GEMM or attention node found")
     return table
 
 
@@ -57,7 +73,9 @@ def totals_table(report: Report) -> Table:
     table = Table(title="Totals", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("GEMMs converted", f"{totals['converted']} of {totals['gemms']} ({totals['kept']} kept)")
+    by_format = ", ".join(f"{family} {n}" for family, n in totals["converted_by_format"].items())
+    table.add_row("GEMMs converted", f"{totals['converted']} of {totals['gemms']} ({totals['kept']} kept)"
+                  + (f": {by_format}" if by_format else ""))
     table.add_row("GEMM FLOPs converted",
                   f"{format_flops(totals['gemm_flops_converted'])} of {format_flops(totals['gemm_flops'])} "
                   f"({format_percent(totals['converted_flop_fraction'])})")
@@ -72,7 +90,7 @@ def totals_table(report: Report) -> Table:
 def rewrite_summary(report: Report) -> Table:
     """The short summary the demo prints."""
     table = totals_table(report)
-    table.title = "MXFP8 rewrite summary"
+    table.title = f"{str(report.config.get('recipe', 'mxfp8')).upper()} rewrite summary"
     return table
 
 
@@ -158,6 +176,26 @@ def fallbacks_view(report: Report) -> RenderableType | None:
                  border_style="red")
 
 
+def high_precision_view(report: Report) -> Table | None:
+    """Under an FP4 recipe: each module with GEMMs kept in high precision, which of its GEMMs,
+    and why (the recipe's high_precision_layers rule, or any other reason the passes gave)."""
+    if report.config.get("recipe", Recipe.MXFP8.value) == Recipe.MXFP8.value:
+        return None
+    kept: dict[tuple[str, str], list[str]] = {}
+    for d in report.decisions:
+        if d.decision == KEPT:
+            kept.setdefault((d.module or "—", d.reason), []).append(f"{d.graph} {d.kind}")
+    if not kept:
+        return None
+    table = Table(title=f"Kept in high precision under the {report.config['recipe']} recipe", title_justify="left")
+    table.add_column("module")
+    table.add_column("GEMMs", overflow="fold")
+    table.add_column("reason", overflow="fold")
+    for (module, reason), gemms in kept.items():
+        table.add_row(module, ", ".join(gemms), reason)
+    return table
+
+
 def all_gather_view(report: Report) -> Table | None:
     """The FSDP2 all-gather decision of every sharded nn.Linear weight, with its reason."""
     if not report.all_gather:
@@ -198,6 +236,7 @@ def graph_views(report: Report, choice: str) -> Iterable[RenderableType]:
 def report_views(report: Report, graphs: str) -> Group:
     parts: list[RenderableType] = list(graph_views(report, graphs))
     parts += [decisions_table(report), totals_table(report)]
-    parts += [view for view in (fallbacks_view(report), all_gather_view(report)) if view is not None]
+    parts += [view for view in (high_precision_view(report), fallbacks_view(report), all_gather_view(report))
+              if view is not None]
     parts.append(memory_plan_view(report))
     return Group(*parts)

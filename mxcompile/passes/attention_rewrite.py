@@ -827,7 +827,7 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
                 kind=KIND, shapes=tuple(shape for _, shape, _ in operands), flops=flops,
                 module=module_name(site.forward), decision=CONVERTED if converted else KEPT,
                 reason=role_reason,
-                operands=tuple(OperandQuantization(name, shape, axis, elem.value)
+                operands=tuple(OperandQuantization.of(name, shape, axis, config.mx_operand_format(elem))
                                for (name, shape, axis), elem in zip(operands, elems)) if converted else (),
             ))
         if replace:
@@ -854,8 +854,8 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
                         "eager softmax attention)") if reason is None
                 else f"{role}: {reason} (eager softmax attention)",
                 operands=(
-                    OperandQuantization(lhs_node.name, shape_hint(lhs), 2, elems[0].value),
-                    OperandQuantization(rhs_node.name, shape_hint(rhs), 1, elems[1].value),
+                    OperandQuantization.of(lhs_node.name, shape_hint(lhs), 2, config.mx_operand_format(elems[0])),
+                    OperandQuantization.of(rhs_node.name, shape_hint(rhs), 1, config.mx_operand_format(elems[1])),
                 ) if reason is None else (),
             )
             decisions.append(decision)

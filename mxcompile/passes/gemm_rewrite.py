@@ -241,7 +241,7 @@ def _grouped_decision(
         reason = "hp_weight_grad=True keeps weight-gradient GEMMs in high precision"
     if reason is not None:
         return GemmDecision(kind=kind, flops=flops, decision=KEPT, reason=reason, **row), 0
-    operands = tuple(OperandQuantization(n.name, shape_hint(fake_value(n)), axis, elem.value)
+    operands = tuple(OperandQuantization.of(n.name, shape_hint(fake_value(n)), axis, config.mx_operand_format(elem))
                      for n, axis, elem in zip((gemm.lhs, gemm.rhs), gemm.axes, elems))
     build = emit_grouped_gemm(gm, node, gemm, elems, padding, config)
     return GemmDecision(kind=kind, flops=flops, decision=CONVERTED, reason=describe(gemm, padding),
@@ -353,22 +353,22 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
         formats = _fp4_formats(linear[node], node, config) if node in linear else None
         if formats is None:
             padding = contraction_padding(lhs.shape[pattern.lhs_contraction_axis], config.block_size)
-            names = tuple(elem.value for elem in elems)
+            operand_formats = tuple(config.mx_operand_format(elem) for elem in elems)
         else:
             padding = fp4_contraction_padding(lhs.shape[pattern.lhs_contraction_axis], formats[0])
-            names = tuple(fmt.describe() for fmt in formats)
+            operand_formats = formats
         reason = _ineligibility(node, lhs, rhs, pattern, flops, kind, padding, config)
         if reason is None and formats is not None and module in high_precision:
             reason = high_precision[module]
         operands = (
-            OperandQuantization(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, names[0]),
-            OperandQuantization(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, names[1]),
+            OperandQuantization.of(lhs_node.name, shape_hint(lhs), pattern.lhs_contraction_axis, operand_formats[0]),
+            OperandQuantization.of(rhs_node.name, shape_hint(rhs), pattern.rhs_contraction_axis, operand_formats[1]),
         )
         graph = _graph_label(node, graph_name)
         if reason is None:
             reason = f"operands quantized along their contraction axis ({padding.describe()})"
             if formats is not None:
-                reason = (f"{formats[0].block_format.name} linear-layer GEMM ({kind}: {' x '.join(names)}); "
+                reason = (f"{formats[0].block_format.name} linear-layer GEMM ({kind}: {' x '.join(f.describe() for f in formats)}); "
                           + reason)
             elif fp4 is not None:
                 reason += f"; not a linear layer's GEMM: MXFP8 under the {fp4.recipe.value} recipe"
