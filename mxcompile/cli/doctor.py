@@ -2,10 +2,11 @@
 for each failure, for bug reports.
 
 Checks: the torch version against the supported range (`TORCH_RANGE`), the Triton and
-transformers versions; that torch finds the mxfp8 backend; CUDA
+transformers versions; that torch finds the mxfp8 backend and the FP4 ones (nvfp4, mxfp4); CUDA
 and the GPU's architecture (Hopper sm90, Blackwell sm100); the path each kernel takes here
 (MX quantize, MX GEMM, attention forward and backward) under the default `MXConfig`; the demo's
-corpus and profile's plotting. The kernel paths are the library's own decisions
+corpus and profile's plotting; the FP4 ops on the CPU and the GPU's FP4 tensor cores
+(`doctor_fp4.py`). The kernel paths are the library's own decisions
 (`mxcompile.api._use_triton`, `triton_templates.triton_available` / `resolve_gemm_path`,
 `attention.triton_attention_unsupported`), asked with representative arguments: this module
 only reports them. Exit code 0 when every required check passes, 1 otherwise.
@@ -27,7 +28,7 @@ from rich.text import Text
 
 from .. import examples
 from .._version import __version__
-from ..config import GemmKernel, MXConfig
+from ..config import GemmKernel, MXConfig, Recipe
 from ..examples.data import CORPUS_INSTALL_HINT
 from . import plots
 from .errors import EXIT_FAILURE, EXIT_OK, one_line
@@ -146,19 +147,21 @@ def torch_check(version: str) -> Check:
     return Check("torch", True, f"{version} (supported: {TORCH_RANGE}; CI runs {CI_TORCH})")
 
 
-def backend_check() -> Check:
-    """torch finds `backend="mxfp8"` through the installed entry point, and it loads."""
-    points = importlib.metadata.entry_points(group=BACKEND_ENTRY_POINT_GROUP, name=BACKEND_NAME)
+def backend_check(name: str = BACKEND_NAME) -> Check:
+    """torch finds `backend=name` ("mxfp8", or an FP4 recipe's "nvfp4" / "mxfp4") through the
+    installed entry point, and it loads."""
+    label = f"{name} backend"
+    points = importlib.metadata.entry_points(group=BACKEND_ENTRY_POINT_GROUP, name=name)
     if not points:
-        return Check("mxfp8 backend", False, f"no {BACKEND_ENTRY_POINT_GROUP!r} entry point named "
-                     f"{BACKEND_NAME!r}: torch.compile(backend='mxfp8') cannot find it", REINSTALL_HINT)
+        return Check(label, False, f"no {BACKEND_ENTRY_POINT_GROUP!r} entry point named "
+                     f"{name!r}: torch.compile(backend={name!r}) cannot find it", REINSTALL_HINT)
     point = next(iter(points))
     try:
         point.load()
     except ImportError as err:
-        return Check("mxfp8 backend", False, f"entry point {point.value} does not load: {one_line(err)}",
+        return Check(label, False, f"entry point {point.value} does not load: {one_line(err)}",
                      REINSTALL_HINT)
-    return Check("mxfp8 backend", True, f"entry point {point.value}")
+    return Check(label, True, f"entry point {point.value}")
 
 
 def cuda_check() -> Check:
@@ -271,11 +274,13 @@ def plotting_check() -> Check:
 
 def all_checks() -> list[Check]:
     device = _device()
+    from .doctor_fp4 import fp4_ops_check, fp4_tensor_core_check
+
     cuda = cuda_check()
     gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if cuda.passed else (None, None)
     return [
         torch_check(torch.__version__),
-        backend_check(),
+        *(backend_check(recipe.value) for recipe in Recipe),
         package_check("triton", None, TRITON_INSTALL_HINT, required=cuda.passed,
                       purpose="required with a CUDA GPU" if cuda.passed else "used only with a CUDA GPU"),
         package_check("transformers", MIN_TRANSFORMERS, TRANSFORMERS_INSTALL_HINT, required=False,
@@ -284,6 +289,8 @@ def all_checks() -> list[Check]:
         gpu_check(*gpu),
         *kernel_checks(device, MXConfig()),
         native_kernels_check(),
+        fp4_ops_check(),
+        fp4_tensor_core_check(*gpu),
         corpus_check(),
         plotting_check(),
     ]

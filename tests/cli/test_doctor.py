@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from mxcompile import examples
-from mxcompile.cli import demo, doctor, plots
+from mxcompile.cli import demo, doctor, doctor_fp4, plots
 from mxcompile.cli.main import main
 from mxcompile.config import MXConfig
 from mxcompile.examples.data import CORPUS_INSTALL_HINT
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 MISSING_PACKAGE = "no_such_package_for_mxcompile_tests"
-CHECK_NAMES = ("torch", "mxfp8 backend", "triton", "transformers", "CUDA", "GPU architecture", "MX quantize",
-               "MX GEMM", "attention forward", "attention backward", "native CPU kernels", "demo corpus",
-               "profile plots")
+CHECK_NAMES = ("torch", "mxfp8 backend", "nvfp4 backend", "mxfp4 backend", "triton", "transformers", "CUDA",
+               "GPU architecture", "MX quantize", "MX GEMM", "attention forward", "attention backward",
+               "native CPU kernels", "FP4 ops (CPU)", "FP4 tensor cores", "demo corpus", "profile plots")
 LINE = re.compile(r"^(pass|FAIL|fail)  (\S.*?)\s{2,}(\S.*)$")
 
 
@@ -49,9 +49,11 @@ def test_every_check_has_a_line_and_every_failure_a_fix(capsys: pytest.CaptureFi
     assert _status_and_fix(lines, "torch")[0] == "pass"
     assert _status_and_fix(lines, "mxfp8 backend")[0] == "pass"
     assert _status_and_fix(lines, "native CPU kernels")[0] == "pass"  # this machine has g++
+    for name in ("nvfp4 backend", "mxfp4 backend", "FP4 ops (CPU)"):
+        assert _status_and_fix(lines, name)[0] == "pass", name
     assert lines[-1].startswith("All required checks pass")
     if not torch.cuda.is_available():
-        for name in ("CUDA", "MX quantize", "MX GEMM", "attention forward", "attention backward"):
+        for name in ("CUDA", "MX quantize", "MX GEMM", "attention forward", "attention backward", "FP4 tensor cores"):
             assert _status_and_fix(lines, name)[0] == "fail"  # optional: the exit code stays 0
 
 
@@ -200,3 +202,29 @@ def test_native_kernels_that_cannot_be_built_fail_doctor_optionally_with_the_cau
     assert code == 0
     assert _status_and_fix(lines, "native CPU kernels") == ("fail", doctor.NATIVE_KERNELS_HINT)
     assert any("error: something" in line for line in lines)
+
+
+def test_fp4_ops_that_disagree_fail_doctor(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP4 line compares the packed ops with the form compiled graphs run: a GEMM that
+    drops the tensor scales (NVFP4's S_dec; MXFP4's is 1) fails it, naming the recipe."""
+    def without_tensor_scales(a, a_decode, b, b_decode, out_dtype):
+        return torch.matmul(a.float(), b.float()).to(out_dtype)
+
+    monkeypatch.setattr(doctor_fp4, "fp4_gemm", without_tensor_scales)
+    code, lines = _doctor(capsys)
+    assert code == 1
+    assert _status_and_fix(lines, "FP4 ops (CPU)") == ("FAIL", doctor_fp4.FP4_OPS_FIX)
+    assert any("differ for ['nvfp4']" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("capability", "passed", "words"),
+    [((10, 0), True, "block-scaled FP4 MMA"), ((12, 0), True, "block-scaled FP4 MMA"),
+     ((9, 0), False, "no FP4 tensor cores below sm100"), ((8, 0), False, "no FP4 tensor cores below sm100")],
+)
+def test_fp4_tensor_cores(capability: tuple[int, int], passed: bool, words: str) -> None:
+    check = doctor_fp4.fp4_tensor_core_check("some GPU", capability)
+    assert check.passed == passed and not check.required and words in check.detail, check
+    assert doctor_fp4.DEQUANTIZED_PATH in check.detail  # what compiled FP4 GEMMs run, on every GPU
+    assert (check.fix == doctor_fp4.NO_FP4_TENSOR_CORES_FIX) != passed
+    assert not doctor_fp4.fp4_tensor_core_check(None, None).passed
