@@ -1,14 +1,16 @@
-"""mxcompile: a torch.compile backend for MXFP8 training.
+"""mxcompile: a torch.compile backend for microscaling (MXFP8, NVFP4, MXFP4) training.
 
-    torch.compile(model, backend="mxfp8")
+    torch.compile(model, backend="mxfp8")   # or backend="nvfp4" / "mxfp4": the FP4 recipes
 
-rewrites every eligible GEMM of the forward and backward graphs into MX-quantize -> MX GEMM.
+rewrites every eligible GEMM of the forward and backward graphs into MX-quantize -> MX GEMM
+(FP4 recipes: the linear layers' GEMMs in FP4; `MXConfig.for_recipe(Recipe.NVFP4, options)`
+is the typed form).
 Importing this package registers nothing global beyond the `mxcompile::` torch.library ops.
 """
 
 from ._version import __version__
 from .backend import MXKeptWarning, clear_reports, compile, report_of, reports, step_coverage_of
-from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig
+from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig, Recipe
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
 from .numerics import MXTensor
@@ -22,6 +24,7 @@ __all__ = [
     "MXConfig",
     "MXKeptWarning",
     "MXTensor",
+    "Recipe",
     "Report",
     "__version__",
     "clear_reports",

@@ -16,8 +16,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..config import FsdpAllGather, MXConfig
+from ..config import FsdpAllGather, MXConfig, Recipe
 from ..coverage import warn_uncompiled
+
+# The backends named by a recipe (backend="mxfp8", "nvfp4", "mxfp4"): each takes `config` as options.
+RECIPE_BACKENDS = tuple(recipe.value for recipe in Recipe)
 
 __all__ = ["FullyShardResult", "compile_fsdp2", "find_block_types", "fully_shard", "unsharded_parameters"]
 
@@ -111,25 +114,35 @@ def fully_shard(
     block_types: Sequence[type[nn.Module]] | None = None,
     mp_policy: Any | None = None,
     compile: bool = True,
-    backend: str | Callable[..., Any] = "mxfp8",
+    backend: str | Callable[..., Any] | None = None,
 ) -> FullyShardResult:
-    """FSDP2 on `model` in place, for training with the mxfp8 backend.
+    """FSDP2 on `model` in place, for training with the mxfp8 backend or an FP4 recipe's.
 
     * units: every block (`block_types`, or `find_block_types(model)`), every nn.Linear
       outside the blocks whose weight is not tied to another module, and the root;
     * with `config.fsdp_all_gather == "mxfp8"`, the MXFP8 all-gather on every eligible
       nn.Linear weight (`enable_mx_all_gather`, decisions with reasons in the result);
     * with `compile=True`, every unit's forward compiled (`compile_fsdp2`) with `backend`
-      ("mxfp8" gets `config` as options; a callable backend carries its own config), then
-      warns (mxcompile.coverage) if some nn.Linear still escapes every compiled graph.
+      (default: the backend of `config.recipe`; "mxfp8", "nvfp4" or "mxfp4" gets `config` as
+      options, and `config` defaults to that recipe's; a callable backend carries its own
+      config), then warns (mxcompile.coverage) if some nn.Linear still escapes every compiled graph.
+
+    FP4 recipes all-gather weights in high precision: `fsdp_all_gather="mxfp8"` with an FP4
+    recipe raises (`mx_all_gather.check_all_gather_recipe`).
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from .mx_all_gather import enable_mx_all_gather
+    from .mx_all_gather import check_all_gather_recipe, enable_mx_all_gather
 
-    config = config if config is not None else MXConfig()
+    recipe = backend if isinstance(backend, str) and backend in RECIPE_BACKENDS else None
+    config = config if config is not None else MXConfig.for_recipe(recipe or Recipe.MXFP8)
     if not isinstance(config, MXConfig):
         raise ValueError(f"config must be an MXConfig, got {type(config).__name__}")
+    if recipe is not None and config.recipe.value != recipe:
+        raise ValueError(f"backend={recipe!r} with config.recipe={config.recipe.value!r}: pass "
+                         f"config=MXConfig.for_recipe({recipe!r}, ...) or backend={config.recipe.value!r}")
+    backend = backend if backend is not None else config.recipe.value
+    check_all_gather_recipe(config)
     types = tuple(block_types) if block_types is not None else find_block_types(model)
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise ValueError(f"block_types must be nn.Module subclasses, got {types!r}")

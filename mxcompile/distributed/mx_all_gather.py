@@ -303,6 +303,7 @@ def enable_mx_all_gather(
         raise ValueError(
             f"config.fsdp_all_gather='{config.fsdp_all_gather}'; enable_mx_all_gather needs 'mxfp8'"
         )
+    check_all_gather_recipe(config)
     world_size = world_size if world_size is not None else dist.get_world_size()
     spec = MXAllGatherSpec.from_config(config)
     chosen = None if modules is None else {id(m) for m in modules}
@@ -322,6 +323,19 @@ def enable_mx_all_gather(
         setattr(child, ALL_GATHER_DECISION_ATTR, decision)
         decisions[key] = decision
     return decisions
+
+
+def check_all_gather_recipe(config: MXConfig) -> None:
+    """The MXFP8 all-gather serves the mxfp8 recipe only. Under an FP4 recipe the linear layers'
+    GEMMs quantize their weights to NVFP4 / MXFP4 (16x16 blocks, an fp32 tensor scale): a weight
+    gathered as MXFP8 values would be rounded twice, and its gradients would no longer be those
+    of one process. FP4 recipes all-gather weights in high precision (`fsdp_all_gather="bf16"`,
+    FSDP2's param dtype); an FP4 all-gather is not implemented."""
+    if config.fp4 is not None and config.fsdp_all_gather is FsdpAllGather.MXFP8:
+        raise ValueError(
+            f"fsdp_all_gather='mxfp8' with recipe={config.recipe.value!r}: the MXFP8 weight all-gather would round "
+            f"the weights to MXFP8 before the {config.recipe.value} GEMMs round them again; FP4 recipes all-gather "
+            "weights in high precision: set fsdp_all_gather='bf16' (the default)")
 
 
 def all_gather_decision(weight: torch.Tensor, spec: MXAllGatherSpec, world_size: int) -> tuple[int | None, str]:

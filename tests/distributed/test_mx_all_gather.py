@@ -261,3 +261,20 @@ def test_sharded_contraction_reason_follows_transposes():
     assert "through a reshape" in sharded_contraction_reason(w_view, 0, misaligned, BLOCK)
     assert sharded_contraction_reason(x, 1, misaligned, BLOCK) is None
     assert sharded_contraction_reason(wt, 0, {}, BLOCK) is None
+
+
+def test_fp4_recipes_all_gather_in_high_precision():
+    """FP4 recipes keep FSDP2's high-precision all-gather: an MXFP8 one would round the weights
+    before the FP4 GEMMs round them again, so it is refused, naming the fix; and fully_shard's
+    backend and config must name the same recipe (its config defaults to the backend's)."""
+    from mxcompile.distributed import fully_shard
+
+    model = nn.Sequential(nn.Linear(K, N))
+    fp4_mx_gather = MXConfig.for_recipe("nvfp4", {"fsdp_all_gather": "mxfp8"})
+    with pytest.raises(ValueError, match=r"fsdp_all_gather='mxfp8' with recipe='nvfp4'.*set fsdp_all_gather='bf16'"):
+        enable_mx_all_gather(model, fp4_mx_gather, world_size=WORLD)
+    with pytest.raises(ValueError, match=r"fsdp_all_gather='mxfp8' with recipe='nvfp4'"):
+        fully_shard(model, mesh=None, config=fp4_mx_gather)  # refused before the mesh is touched
+    with pytest.raises(ValueError, match=r"backend='mxfp4' with config.recipe='mxfp8'"):
+        fully_shard(model, mesh=None, config=MXConfig(), backend="mxfp4")
+    assert type(model[0].weight) is nn.Parameter  # nothing was wrapped
