@@ -37,6 +37,7 @@ from torch._inductor.output_code import OutputCode
 from .checkpointed_layers import LayerCompiles, layer_compiles, modules_on_stack
 from .compile_cache import load_report, report_key, store_report, tagged
 from .config import MXConfig
+from .cost.graph_costs import saved_quantized_operands
 from .coverage import warn_uncompiled
 from .distributed.fsdp import unsharded_parameters
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
@@ -94,6 +95,13 @@ def _tensor_bytes(value: Any) -> int:
     return numel * value.element_size()
 
 
+def saved_values(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Any]:
+    """The values a partitioned forward graph returns for the backward (its outputs after the
+    user outputs): nodes, and whatever else the partitioner put there."""
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    return pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
+
+
 def saved_tensors(
     fw: fx.GraphModule, num_fwd_outputs: int, param_input_indices: Sequence[int]
 ) -> list[dict[str, Any]]:
@@ -101,10 +109,8 @@ def saved_tensors(
     Parameters and buffers that the backward reads are left out: they are alive anyway."""
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     params = {placeholders[i] for i in param_input_indices if i < len(placeholders)}
-    output = next(n for n in fw.graph.nodes if n.op == "output")
-    saved = pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
     rows = []
-    for node in saved:
+    for node in saved_values(fw, num_fwd_outputs):
         value = node.meta.get("val") if isinstance(node, fx.Node) else None
         if isinstance(value, torch.Tensor) and node not in params:
             rows.append({"name": node.name, "dtype": str(value.dtype),
@@ -226,12 +232,15 @@ def compile_graph(
                 else _min_cut_without_torch_budget,
                 num_fwd_outputs=num_fwd_outputs, param_input_indices=params, clone=clone_graph_module,
                 memory_model=memory_model if memory_model is not None else memory_model_of(lower), **kwargs)
+        # What the forward saves (a walk over its outputs), in every report: `report_of(model)`
+        # shows it too. What it would save without the rewrite needs the partition above.
+        after = saved_tensors(fw, num_fwd_outputs, params)
+        report.saved_bytes_after += sum(r["bytes"] for r in after)
+        report.saved_tensors_after.extend(after)
+        report.saved_quantized.extend(saved_quantized_operands(saved_values(fw, num_fwd_outputs)))
         if describe:
             before = saved_tensors(fw_before, num_fwd_outputs, params)
-            after = saved_tensors(fw, num_fwd_outputs, params)
             report.saved_bytes_before += sum(r["bytes"] for r in before)
-            report.saved_bytes_after += sum(r["bytes"] for r in after)
-            report.saved_tensors_after.extend(after)
             report.graphs.append(GraphSnapshot("forward", _readable(fw_before), _readable(fw)))
             report.graphs.append(GraphSnapshot("backward", _readable(bw_before), _readable(bw)))
         return fw, bw

@@ -26,17 +26,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import MXConfig
 from ..cost.graph_costs import FLOPS_PER_MULTIPLY_ADD, attention_flops
-from ..cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, FP32_BYTES, QUANTIZE_RATE,
-                             DeviceProfile)
-from ..numerics import E8M0_BIAS, dequantize_along, elem_format
+from ..cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_FP4_RATE, DEQUANTIZE_RATE, FP32_BYTES,
+                             QUANTIZE_FP4_RATE, QUANTIZE_RATE, DeviceProfile)
+from ..numerics import E8M0_BIAS, NVFP4, ScaleMode, dequantize_along, elem_format
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_reference import default_key_tile
-from ..ops.quantize import QUANTIZE
+from ..ops.quantize import DEQUANTIZE_FP4, QUANTIZE, QUANTIZE_FP4
 
 CACHE_DIR_ENV = "MXCOMPILE_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/mxcompile")
 CPU_PROFILE_FILE = "cpu_profile.json"
-CPU_PROFILE_FORMAT = 8  # bump when the measurement (or a measured op) changes, to invalidate old caches
+CPU_PROFILE_FORMAT = 9  # bump when the measurement (or a measured op) changes, to invalidate old caches
 
 CPU_MATMUL_SIZE = 256  # square matmul used to time the CPU
 CPU_COPY_BYTES = 32 * 2**20  # the smallest fp32 copy that times the memory bandwidth...
@@ -44,6 +44,7 @@ CPU_LLC_COPIES = 4  # ...which is at least this many last-level caches, so DRAM 
 LLC_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
 CPU_QUANTIZE_SHAPE = (1024, 1024)  # fp32 input of the quantize op timed for op_rates["quantize"]
 # (and the fp8 operand whose reference dequantize to fp32 is timed for op_rates["dequantize"])
+CPU_FP4_SHAPE = (128, 512)  # fp32 input of the FP4 quantize and dequantize timed for op_rates (issue 48)
 CPU_ATTENTION_SHAPE = (8, 4, 128, 64)  # (batch, heads, seq, head_dim) timed for the attention op_rates
 # The whole-batch time's least share priced as FLOPs: a noisy pass time never takes it all.
 ATTENTION_MIN_FLOP_SHARE = 0.5
@@ -261,6 +262,22 @@ def _reference_dequantize_rate() -> float:
     return data.numel() / statistics.fmean(times)
 
 
+def _fp4_rates() -> dict[str, float]:
+    """Input elements/s of ``mxcompile::quantize_fp4`` (NVFP4, round to nearest, 1-D blocks) and
+    operand elements/s of ``mxcompile::dequantize_fp4`` to fp32, on a ``CPU_FP4_SHAPE`` fp32
+    tensor, each the mean over both axes (their torch references: no FP4 kernel yet)."""
+    x = torch.randn(CPU_FP4_SHAPE)
+    quantize_times, dequantize_times = [], []
+    for axis in range(x.ndim):
+        quantize = functools.partial(QUANTIZE_FP4, x, axis, NVFP4.name, ScaleMode.RCEIL.value, False, False, 0, None)
+        data, scale, _ = quantize()
+        quantize_times.append(_best_over_threads(quantize))
+        dequantize_times.append(_best_over_threads(
+            functools.partial(DEQUANTIZE_FP4, data, scale, axis, NVFP4.name, torch.float32)))
+    return {QUANTIZE_FP4_RATE: x.numel() / statistics.fmean(quantize_times),
+            DEQUANTIZE_FP4_RATE: x.numel() / statistics.fmean(dequantize_times)}
+
+
 def _measure_cpu() -> DeviceProfile:
     n = CPU_MATMUL_SIZE
     thread_counts = sorted({1, torch.get_num_threads()})
@@ -285,7 +302,7 @@ def _measure_cpu() -> DeviceProfile:
         memory_bandwidth=COPY_TRAFFIC_FACTOR * nbytes / copy_time,
         host_link_bandwidth=nbytes / copy_time,
         op_rates={QUANTIZE_RATE: _compiled_quantize_rate(), DEQUANTIZE_RATE: _reference_dequantize_rate(),
-                  **attention_rates},
+                  **attention_rates, **_fp4_rates()},
         native_fp8_gemm=False,
         sources={
             "peak_flops.fp32": f"{where}: best of repeated {n}x{n} fp32 torch.mm",
@@ -309,6 +326,14 @@ def _measure_cpu() -> DeviceProfile:
             f"op_rates.{DEQUANTIZE_RATE}": (
                 f"{where}: fp8 elements/s of the MX GEMM reference's operand dequantize to fp32 "
                 f"(numerics.dequantize_along, eager; {CPU_QUANTIZE_SHAPE}, mean over both axes)"
+            ),
+            f"op_rates.{QUANTIZE_FP4_RATE}": (
+                f"{where}: input elements/s of mxcompile::quantize_fp4 (its torch reference; NVFP4, round to "
+                f"nearest, fp32 {CPU_FP4_SHAPE}, mean over both axes)"
+            ),
+            f"op_rates.{DEQUANTIZE_FP4_RATE}": (
+                f"{where}: elements/s of mxcompile::dequantize_fp4 to fp32 (its torch reference; NVFP4, "
+                f"{CPU_FP4_SHAPE}, mean over both axes)"
             ),
             f"op_rates.{ATTENTION_RATE}": (
                 f"{where}: FLOP/s of the eager mxcompile::attention forward and backward (the ops Inductor "

@@ -36,6 +36,17 @@ Conventions
       (:func:`reference_dequantize_time_s`). A recomputation is priced as its lowering runs
       it: under Inductor with pointwise chains fused (:func:`fused_run_time_s`), eagerly op by
       op (:func:`op_by_op_run_time_s`).
+    * FP4 (issue 48): a packed E2M1 operand is uint8 with two elements per byte, so its bytes
+      are ``numel / 2`` of the operand it holds, plus one scale byte per block (16 elements for
+      NVFP4, 32 for MXFP4) and a 0-d fp32 tensor scale: counted exactly by the rule above. The
+      FP4 ops run as their torch references on every device (no FP4 kernel yet): an
+      ``mxcompile::quantize_fp4`` takes at least its input elements at the profile's measured
+      ``quantize_fp4`` rate, and holds the scratch of its reference
+      (:func:`quantize_fp4_scratch_bytes`); an ``mxcompile::mx_mm_fp4`` is an fp32 GEMM of
+      both operands' block values (``2 * M * N * K`` FLOPs at the fp32 rate, K the unpacked
+      contraction), after dequantizing both (:func:`fp4_dequantize_time_s`, at the measured
+      ``dequantize_fp4`` rate), and holds the fp32 block values and products
+      (:func:`fp4_gemm_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -48,8 +59,10 @@ import torch
 import torch.fx as fx
 
 from ..graph_meta import concrete_int, value_device
+from ..numerics.formats import E2M1
 from ..ops import gemm_operand_dtype, mx_mm_peak_bytes, quantize_scratch_bytes
-from .profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, FP32_BYTES, QUANTIZE_RATE, DeviceProfile
+from .profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_FP4_RATE, DEQUANTIZE_RATE, FP32_BYTES,
+                       QUANTIZE_FP4_RATE, QUANTIZE_RATE, DeviceProfile)
 
 FLOPS_PER_MULTIPLY_ADD = 2
 MX_MM_SCHEMA_NAME = "mxcompile::mx_mm"
@@ -57,6 +70,12 @@ QUANTIZE_SCHEMA_NAME = "mxcompile::quantize"
 MX_GEMM_DTYPE = "fp8"  # mxcompile::mx_mm runs at the device's (MX)FP8 tensor-core rate
 ATTENTION_SCHEMA_NAME = "mxcompile::attention"
 ATTENTION_BACKWARD_SCHEMA_NAME = "mxcompile::attention_backward"
+MX_MM_FP4_SCHEMA_NAME = "mxcompile::mx_mm_fp4"
+QUANTIZE_FP4_SCHEMA_NAME = "mxcompile::quantize_fp4"
+# mxcompile::mx_mm_fp4 multiplies its operands' block values in fp32 on every device
+# (`numerics.fp4_operand.fp4_gemm`): no FP4 tensor-core kernel yet.
+FP4_GEMM_OPERAND_DTYPE = torch.float32
+FP4_GEMM_DTYPE_KEY = "fp32"
 ATTENTION_FORWARD_GEMMS = 2  # S = Q K^T, O = P V
 ATTENTION_BACKWARD_GEMMS = 5  # S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
 
@@ -184,9 +203,63 @@ def _numel(arg: Any) -> int:
     return 0 if value is None else value_bytes(value) // value.element_size()
 
 
+# Scratch of the FP4 ops' torch references beyond their outputs, measured with
+# `measure.memory.tensor_peak_bytes` (2026-12-07) on fp32 inputs of (64, 256), (256, 1024),
+# (1024, 1024) and (100, 512), NVFP4 and MXFP4, along each axis: quantize_fp4 51.6-51.7 bytes per
+# input element (round to nearest, 1-D blocks), 55.6-55.7 with one of 2-D blocks, stochastic
+# rounding or the Hadamard transform, 59.6-59.7 with stochastic rounding and the transform;
+# dequantize_fp4 9.0 bytes per element it writes (at every shape). Rounded up, per option:
+QUANTIZE_FP4_SCRATCH_BYTES_PER_ELEMENT = 52
+QUANTIZE_FP4_OPTION_SCRATCH_BYTES_PER_ELEMENT = 4  # each of block_2d, stochastic, the transform
+DEQUANTIZE_FP4_SCRATCH_BYTES_PER_ELEMENT = 9
+# Small tensors the FP4 GEMM holds in every phase (0-d scales and products, ATen's scalars): its
+# measured peak was 68 bytes above the large tensors of `fp4_gemm_peak_bytes` at every shape.
+FP4_GEMM_SCALAR_BYTES = 68
+
+
+def quantize_fp4_scratch_bytes(numel: int, *, block_2d: bool, stochastic: bool, rht: bool) -> int:
+    """Scratch bytes ``mxcompile::quantize_fp4``'s reference holds for an input of ``numel``
+    elements with these options (see the measurements above)."""
+    options = sum((block_2d, stochastic, rht))
+    return numel * (QUANTIZE_FP4_SCRATCH_BYTES_PER_ELEMENT + options * QUANTIZE_FP4_OPTION_SCRATCH_BYTES_PER_ELEMENT)
+
+
+def fp4_gemm_peak_bytes(a_numel: int, b_numel: int, out_numel: int, out_dtype: torch.dtype) -> int:
+    """Peak bytes an FP4 GEMM of operands of ``a_numel`` and ``b_numel`` (unpacked) elements
+    allocates while it runs, its output included: the op's reference (and the lowering's
+    dequantize / fake-quantize and fp32 GEMM, `lowering.lower_fp4_gemms`) takes A's fp32 block
+    values (`dequantize_fp4`, with its scratch), then B's while A's are held, then their fp32
+    product and the product times the tensor scales, cast to ``out_dtype`` if that is not fp32.
+    The peak is the largest phase plus ``FP4_GEMM_SCALAR_BYTES``: the op's measured peak
+    exactly (at (M, K, N) = (64, 256, 1024), (256, 1024, 64), (128, 64, 128), (512, 512, 512); fp32 and
+    bf16 outputs)."""
+    operand_bytes = FP4_GEMM_OPERAND_DTYPE.itemsize
+    dequantize = operand_bytes + DEQUANTIZE_FP4_SCRATCH_BYTES_PER_ELEMENT
+    cast = out_numel * out_dtype.itemsize if out_dtype != FP4_GEMM_OPERAND_DTYPE else 0
+    return FP4_GEMM_SCALAR_BYTES + max(
+        dequantize * a_numel,
+        operand_bytes * a_numel + dequantize * b_numel,
+        operand_bytes * (a_numel + b_numel + 2 * out_numel) + cast,
+    )
+
+
+def _unpacked_numel(arg: Any) -> int:
+    """Elements of the FP4 operand whose packed bytes (two E2M1 codes per byte) ``arg`` holds."""
+    return _numel(arg) * E2M1.elements_per_byte
+
+
 def workspace_bytes(node: fx.Node) -> int:
     """Scratch bytes ``node`` holds while it runs, beyond its output (see the conventions)."""
     name = _schema_name(node)
+    if name == MX_MM_FP4_SCHEMA_NAME:
+        a, b = _fp4_gemm_operands(node)
+        peak = fp4_gemm_peak_bytes(_unpacked_numel(a), _unpacked_numel(b), _numel(node),
+                                   _schema_argument(node, "out_dtype"))
+        return max(0, peak - node_bytes(node))
+    if name == QUANTIZE_FP4_SCHEMA_NAME:
+        return quantize_fp4_scratch_bytes(
+            _numel(node.args[0]), block_2d=bool(_schema_argument(node, "block_2d")),
+            stochastic=bool(_schema_argument(node, "stochastic")), rht=_schema_argument(node, "rht_seed") is not None)
     if name == MX_MM_SCHEMA_NAME:
         out_dtype = node.args[5] if len(node.args) > 5 else node.kwargs.get("out_dtype", torch.float32)
         peak = mx_mm_peak_bytes(*(_numel(node.args[i]) for i in range(4)), _numel(node), out_dtype,
@@ -248,6 +321,15 @@ def _is_mx_mm(node: fx.Node) -> bool:
     return _schema_name(node) == MX_MM_SCHEMA_NAME
 
 
+def _is_fp4_mm(node: fx.Node) -> bool:
+    return _schema_name(node) == MX_MM_FP4_SCHEMA_NAME
+
+
+def _fp4_gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The packed data of an ``mxcompile::mx_mm_fp4`` node: (a, a_scale, a_tensor_scale, b, ...)."""
+    return node.args[0], node.args[3]
+
+
 def _val(arg: Any) -> torch.Tensor | None:
     value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
@@ -266,6 +348,8 @@ def _gemm_operands(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor] | None:
         a, b = _val(node.args[1]), _val(node.args[2])
     elif _is_mx_mm(node):
         a, b = _val(node.args[0]), _val(node.args[2])  # (a, a_scale, b, b_scale, ...)
+    elif _is_fp4_mm(node):
+        a, b = (_val(arg) for arg in _fp4_gemm_operands(node))
     else:
         return None
     if a is None or b is None:
@@ -304,8 +388,8 @@ def _attention_node_flops(node: fx.Node) -> int:
 
 def node_flops(node: fx.Node) -> int:
     """Floating-point operations of ``node``: exact ``2 * M * N * K`` (times the batch) for
-    GEMMs, :func:`attention_flops` for the MX attention ops, 0 for everything else (those are
-    costed by bytes, see :func:`bytes_moved`)."""
+    GEMMs (an FP4 GEMM's K is its packed operands' times two), :func:`attention_flops` for the
+    MX attention ops, 0 for everything else (those are costed by bytes, see :func:`bytes_moved`)."""
     if _schema_name(node) in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME):
         return _attention_node_flops(node)
     operands = _gemm_operands(node)
@@ -314,6 +398,8 @@ def node_flops(node: fx.Node) -> int:
     a, b = operands
     a_dims, b_dims = _dims(a), _dims(b)
     m, k = a_dims[-2], a_dims[-1]
+    if _is_fp4_mm(node):
+        k *= E2M1.elements_per_byte
     n = b_dims[-1]
     batch = 1
     for size in torch.broadcast_shapes(tuple(a_dims[:-2]), tuple(b_dims[:-2])):
@@ -337,8 +423,11 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
     """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm`` and the MX
     attention ops on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's
     dequantized operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the
-    nearest rate the profile has, then "fp32"."""
+    nearest rate the profile has, then "fp32". An FP4 GEMM runs at ``FP4_GEMM_DTYPE_KEY``
+    (fp32 block values on every device: no FP4 kernel yet)."""
     name = _schema_name(node)
+    if name == MX_MM_FP4_SCHEMA_NAME:
+        return FP4_GEMM_DTYPE_KEY
     mx = _is_mx_mm(node) or name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME)
     if mx and profile.native_fp8_gemm:
         return MX_GEMM_DTYPE
@@ -365,9 +454,25 @@ def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     measured = 0.0
     if name == QUANTIZE_SCHEMA_NAME and QUANTIZE_RATE in profile.op_rates:
         measured = _numel(node.args[0]) / profile.op_rates[QUANTIZE_RATE]
+    elif name == QUANTIZE_FP4_SCHEMA_NAME and QUANTIZE_FP4_RATE in profile.op_rates:
+        measured = _numel(node.args[0]) / profile.op_rates[QUANTIZE_FP4_RATE]
     elif name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME) and ATTENTION_RATE in profile.op_rates:
         measured = flops / profile.op_rates[ATTENTION_RATE] + attention_pass_time_s(node, profile)
-    return max(compute, memory, measured)
+    return max(compute, memory, measured) + fp4_dequantize_time_s(node, profile)
+
+
+def fp4_dequantize_time_s(node: fx.Node, profile: DeviceProfile) -> float:
+    """The time an ``mxcompile::mx_mm_fp4`` spends dequantizing its two operands to fp32 block
+    values before its GEMM (under every lowering): their elements at the profile's measured
+    ``dequantize_fp4`` rate, at least the bytes read and written over the memory bandwidth; 0
+    for any other node."""
+    if not _is_fp4_mm(node):
+        return 0.0
+    numel = sum(_unpacked_numel(arg) for arg in _fp4_gemm_operands(node))
+    read = sum(node_bytes(arg) for arg in node.all_input_nodes)
+    memory = (read + numel * FP4_GEMM_OPERAND_DTYPE.itemsize) / profile.memory_bandwidth
+    rate = profile.op_rates.get(DEQUANTIZE_FP4_RATE)
+    return max(memory, numel / rate if rate else 0.0)
 
 
 def reference_dequantize_time_s(node: fx.Node, profile: DeviceProfile) -> float:
@@ -481,3 +586,57 @@ def fused_run_time_s(nodes: list[fx.Node], profile: DeviceProfile) -> float:
 def graph_time_s(graph: fx.Graph, profile: DeviceProfile) -> float:
     """Sum of :func:`node_time_s` over the graph's nodes (ops run one after another)."""
     return sum(node_time_s(node, profile) for node in graph.nodes)
+
+
+# --------------------------------------------------------------------------- saved quantized operands
+
+BF16_BYTES = 2  # what a bf16 step would save per element
+# The quantize ops' format argument: MXFP8's element format ("e4m3"), FP4's block format ("nvfp4").
+QUANTIZE_FORMAT_ARGUMENTS: dict[str, str] = {QUANTIZE_SCHEMA_NAME: "elem", QUANTIZE_FP4_SCHEMA_NAME: "block_format"}
+_PAD = _aten.constant_pad_nd.default
+QUANTIZED_DATA_OUTPUT = 0  # a quantize op's outputs: (data, scales) or, FP4, (data, scales, tensor scale)
+
+
+def _producing_quantize(node: fx.Node) -> fx.Node | None:
+    """The MX or FP4 quantize node ``node`` is an output of (``getitem``), else None."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    producer = node.args[0]
+    return producer if _schema_name(producer) in QUANTIZE_FORMAT_ARGUMENTS else None
+
+
+def saved_quantized_operands(saved: Iterable[fx.Node]) -> list[dict[str, Any]]:
+    """The quantized operands among ``saved`` (a forward graph's saved values): one row per
+    quantize node with an output saved, in order of first appearance, with its ``format`` (the
+    op's format argument), the ``source`` operand it quantized (before the zero padding to the
+    block a GEMM's contraction may add, whose ``shape`` it gives), the ``outputs`` saved (data,
+    scales and, for NVFP4, the tensor scale), their ``bytes``, the ``bf16_bytes`` the source
+    takes in bf16 (0 when the data is not saved, e.g. recomputed by a memory plan, while its
+    scales are), and ``to_bf16``, their ratio. Packed FP4 data takes half a byte per element,
+    so an NVFP4 operand (a scale byte per 16 elements, 4 bytes of tensor scale) takes
+    9/32 = 0.281x its bf16 bytes and an MXFP4 one (a scale byte per 32) 17/64 = 0.266x, plus
+    what padding adds along the contraction."""
+    rows: dict[fx.Node, dict[str, Any]] = {}
+    for node in saved:
+        quantize = _producing_quantize(node) if isinstance(node, fx.Node) else None
+        if quantize is None:
+            continue
+        if quantize not in rows:
+            source = quantize.args[0]
+            while isinstance(source, fx.Node) and source.target is _PAD:
+                source = source.args[0]
+            value = _val(source)
+            rows[quantize] = {"quantize": quantize.name,
+                              "format": str(_schema_argument(quantize, QUANTIZE_FORMAT_ARGUMENTS[_schema_name(quantize)])),
+                              "source": source.name if isinstance(source, fx.Node) else "",
+                              "shape": [] if value is None else _dims(value),
+                              "outputs": [], "bytes": 0, "bf16_bytes": 0}
+        row = rows[quantize]
+        if node.name not in row["outputs"]:
+            row["outputs"].append(node.name)
+            row["bytes"] += node_bytes(node)
+            if node.args[1] == QUANTIZED_DATA_OUTPUT:
+                row["bf16_bytes"] = math.prod(row["shape"]) * BF16_BYTES
+    for row in rows.values():
+        row["to_bf16"] = row["bytes"] / row["bf16_bytes"] if row["bf16_bytes"] else None
+    return list(rows.values())

@@ -36,7 +36,16 @@ ATTENTION_PASS_RATE = "attention_pass"
 # lowering: about 1 ms for a 1024 x 256 fp8 operand on the 2-core host, where the fp32 GEMM of two
 # such operands takes 2-3 ms.
 DEQUANTIZE_RATE = "dequantize"
-OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE, ATTENTION_PASS_RATE, DEQUANTIZE_RATE)
+# op_rates keys of the FP4 ops (issue 48), which run as their torch references on every device
+# (no native or Triton kernel yet): input elements/s of mxcompile::quantize_fp4 (NVFP4, round to
+# nearest, 1-D blocks), and operand elements/s of mxcompile::dequantize_fp4 to fp32, which every
+# FP4 GEMM runs on both operands (`lowering.lower_fp4_gemms`). On the 2-core AVX512 host
+# (2026-12-07, one thread, CPU time) the quantize took 35-47 ns per element, about 100x the
+# roofline of its bytes and 80x the MX quantize's native kernel; the dequantize 4-8 ns.
+QUANTIZE_FP4_RATE = "quantize_fp4"
+DEQUANTIZE_FP4_RATE = "dequantize_fp4"
+OP_RATE_KEYS = (QUANTIZE_RATE, ATTENTION_RATE, ATTENTION_PASS_RATE, DEQUANTIZE_RATE, QUANTIZE_FP4_RATE,
+                DEQUANTIZE_FP4_RATE)
 
 TERA = 1e12
 PETA = 1e15
@@ -62,7 +71,8 @@ class DeviceProfile:
             "host_link_bandwidth", "op_rates.<op>", one per number.
         op_rates: measured throughput of MX ops that run below the roofline on this device
             (keys :data:`OP_RATE_KEYS`: "quantize" in input elements/s, "attention" in FLOP/s,
-            "attention_pass" in passes/s, "dequantize" in operand elements/s);
+            "attention_pass" in passes/s, "dequantize" in operand elements/s, "quantize_fp4"
+            in input elements/s, "dequantize_fp4" in operand elements/s);
             empty: price them by the roofline.
         native_fp8_gemm: whether the device multiplies FP8 in hardware. Without (CPUs), an MX
             GEMM runs as a GEMM of its dequantized operands, at their dtype's rate.

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from mxcompile.calibration import cpu
 from mxcompile.calibration.cpu import measure_cpu_profile
-from mxcompile.cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, OP_RATE_KEYS, QUANTIZE_RATE,
-                                     DeviceProfile)
+from mxcompile.cost.profiles import (ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_FP4_RATE, DEQUANTIZE_RATE,
+                                     OP_RATE_KEYS, QUANTIZE_FP4_RATE, QUANTIZE_RATE, DeviceProfile)
 
 
 @pytest.fixture
@@ -22,6 +22,7 @@ def quick_measurement(monkeypatch):
     monkeypatch.setattr(cpu, "CPU_COPY_BYTES", 2**20)
     monkeypatch.setattr(cpu, "CPU_LLC_COPIES", 0)
     monkeypatch.setattr(cpu, "CPU_ATTENTION_SHAPE", (2, 1, 32, 32))
+    monkeypatch.setattr(cpu, "CPU_FP4_SHAPE", (32, 64))
     # The compiled quantize's rate needs an Inductor compile in a child process (tested once,
     # below); here only the caching is under test.
     monkeypatch.setattr(cpu, "_compiled_quantize_rate", lambda: 1.0)
@@ -72,8 +73,10 @@ def test_cpu_profile_prices_mx_ops_as_measured(tmp_path, monkeypatch, quick_meas
     profile = measure_cpu_profile()
     assert not profile.native_fp8_gemm
     # The pass rate is omitted where one-element chunks measured no slower.
-    assert {QUANTIZE_RATE, ATTENTION_RATE, DEQUANTIZE_RATE} <= set(profile.op_rates) <= set(OP_RATE_KEYS)
+    measured = {QUANTIZE_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, QUANTIZE_FP4_RATE, DEQUANTIZE_FP4_RATE}
+    assert measured <= set(profile.op_rates) <= set(OP_RATE_KEYS)
     assert "mxcompile::attention" in profile.sources["op_rates.attention"]
+    assert "mxcompile::quantize_fp4" in profile.sources[f"op_rates.{QUANTIZE_FP4_RATE}"]
     assert "dequantize_along" in profile.sources[f"op_rates.{DEQUANTIZE_RATE}"]
     assert DeviceProfile.from_dict(json.loads((tmp_path / "cpu_profile.json").read_text())["profile"]) == profile
 

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from cost_graphs import GIGA, first_of_each_op, synthetic_profile, traced_ops
 from mx_gemm_graph import MX_GEMM_SHAPE, traced_mx_gemm
 from mxcompile.config import MXConfig
 from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved,
@@ -21,54 +22,26 @@ from mxcompile.ops.attention_reference import default_key_tile
 CONFIG = MXConfig()
 M, K, N = MX_GEMM_SHAPE
 ATTENTION_SHAPE = (2, 3, 64, 32)  # (batch, heads, seq, head_dim)
-GIGA = 1e9
-
-
-def _profile(*, op_rates=None, native_fp8_gemm=True, fp32=10 * GIGA, bf16=20 * GIGA, fp8=40 * GIGA,
-             bandwidth=100 * GIGA) -> DeviceProfile:
-    op_rates = dict(op_rates or {})
-    sources = {"peak_flops.fp32": "a", "peak_flops.bf16": "b", "peak_flops.fp8": "c", "memory_bandwidth": "d",
-               "host_link_bandwidth": "e", **{f"op_rates.{key}": "f" for key in op_rates}}
-    return DeviceProfile(name="synthetic", peak_flops={"fp32": fp32, "bf16": bf16, "fp8": fp8},
-                         memory_bandwidth=bandwidth, host_link_bandwidth=bandwidth, sources=sources,
-                         op_rates=op_rates, native_fp8_gemm=native_fp8_gemm)
-
-
-def _first_of_each_op(gm: fx.GraphModule) -> dict[str, fx.Node]:
-    """The first node of each op of ``gm``, by schema name."""
-    nodes = {}
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            nodes.setdefault(schema.name, node)
-    return nodes
-
-
-def _graph(fn, *inputs: torch.Tensor) -> dict[str, fx.Node]:
-    """``fn`` traced, every node with its fake value; its first node of each op, by schema name."""
-    gm = fx.symbolic_trace(fn)
-    FakeTensorProp(gm).propagate(*inputs)
-    return _first_of_each_op(gm)
 
 
 @pytest.fixture(scope="module")
 def mx_nodes() -> dict[str, fx.Node]:
-    return _first_of_each_op(traced_mx_gemm(CONFIG))
+    return first_of_each_op(traced_mx_gemm(CONFIG))
 
 
 def test_quantize_priced_at_least_its_bytes_over_bandwidth(mx_nodes):
     quantize = mx_nodes["mxcompile::quantize"]
     moved = M * K * 4 + M * K + M * K // CONFIG.block_size  # fp32 in, fp8 out, one scale byte per block
     assert bytes_moved(quantize) == moved
-    profile = _profile()
+    profile = synthetic_profile()
     assert node_time_s(quantize, profile) == pytest.approx(moved / profile.memory_bandwidth)
 
 
 def test_quantize_priced_at_its_measured_rate_when_slower_than_memory(mx_nodes):
     quantize = mx_nodes["mxcompile::quantize"]
-    slow = _profile(op_rates={QUANTIZE_RATE: 1e6})  # elements/s, far below the memory roofline
+    slow = synthetic_profile(op_rates={QUANTIZE_RATE: 1e6})  # elements/s, far below the memory roofline
     assert node_time_s(quantize, slow) == pytest.approx(M * K / 1e6)
-    fast = _profile(op_rates={QUANTIZE_RATE: 1e15})  # a rate above the roofline never lowers the price
+    fast = synthetic_profile(op_rates={QUANTIZE_RATE: 1e15})  # a rate above the roofline never lowers the price
     assert node_time_s(quantize, fast) == pytest.approx(bytes_moved(quantize) / fast.memory_bandwidth)
 
 
@@ -77,9 +50,9 @@ def test_mx_mm_priced_at_fp8_only_with_fp8_gemms(mx_nodes):
     flops = 2 * M * N * K
     assert node_flops(mm) == flops
     slow_memory = dict(bandwidth=1e15)  # so the GEMM is compute-bound
-    assert node_time_s(mm, _profile(**slow_memory)) == pytest.approx(flops / (40 * GIGA))
+    assert node_time_s(mm, synthetic_profile(**slow_memory)) == pytest.approx(flops / (40 * GIGA))
     # Without FP8 GEMMs (a CPU) an fp32-output MX GEMM multiplies fp32 operands: the fp32 rate.
-    assert node_time_s(mm, _profile(native_fp8_gemm=False, **slow_memory)) == pytest.approx(flops / (10 * GIGA))
+    assert node_time_s(mm, synthetic_profile(native_fp8_gemm=False, **slow_memory)) == pytest.approx(flops / (10 * GIGA))
 
 
 def test_mx_mm_run_as_its_reference_adds_its_operands_dequantize(mx_nodes):
@@ -88,12 +61,12 @@ def test_mx_mm_run_as_its_reference_adds_its_operands_dequantize(mx_nodes):
     at the measured dequantize rate on top of the GEMM, and only when asked for and measured."""
     mm, quantize = mx_nodes["mxcompile::mx_mm"], mx_nodes["mxcompile::quantize"]
     rate = 1e6  # operand elements/s
-    profile = _profile(native_fp8_gemm=False, op_rates={DEQUANTIZE_RATE: rate})
+    profile = synthetic_profile(native_fp8_gemm=False, op_rates={DEQUANTIZE_RATE: rate})
     dequantize_s = (M * K + K * N) / rate
     assert reference_dequantize_time_s(mm, profile) == pytest.approx(dequantize_s)
     assert op_by_op_time_s(mm, profile) == pytest.approx(node_time_s(mm, profile) + dequantize_s)
     assert op_by_op_time_s(quantize, profile) == node_time_s(quantize, profile)
-    unmeasured = _profile(native_fp8_gemm=False)  # e.g. CUDA: the op is a Triton MX GEMM
+    unmeasured = synthetic_profile(native_fp8_gemm=False)  # e.g. CUDA: the op is a Triton MX GEMM
     assert op_by_op_time_s(mm, unmeasured) == node_time_s(mm, unmeasured)
     # Op by op, the quantizes and the reference GEMM each at their own price, nothing fused.
     nodes = [n for n in mm.graph.nodes if n.op == "call_function"]
@@ -109,18 +82,18 @@ def test_attention_priced_by_its_gemm_flops_and_measured_rate():
     def attend(q, k, v):
         return ATTENTION(q, k, v, None, True, width**-0.5, CONFIG.attention.value, CONFIG.forward_elem.value, *tail)
 
-    node = _graph(attend, q, k, v)["mxcompile::attention"]
+    node = traced_ops(attend, q, k, v)["mxcompile::attention"]
     flops = 2 * 2 * batch * heads * seq * seq * width  # S = QK^T and O = PV
     assert node_flops(node) == flops == attention_flops(batch, heads, seq, seq, width, width)
-    roofline = _profile(bandwidth=1e15)
+    roofline = synthetic_profile(bandwidth=1e15)
     assert node_time_s(node, roofline) == pytest.approx(flops / roofline.flops("fp8"))
-    measured = _profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8})
+    measured = synthetic_profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8})
     assert node_time_s(node, measured) == pytest.approx(flops / 1e8)
     # With a measured pass rate, each pass (a key tile of a batch chunk; the op's default chunk
     # is one element) adds its fixed time.
     passes = batch * -(-seq // default_key_tile(CONFIG.block_size))
     assert attention_passes(node) == passes and attention_passes(node, chunk=batch) == passes // batch
-    with_passes = _profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8, ATTENTION_PASS_RATE: 1e3})
+    with_passes = synthetic_profile(bandwidth=1e15, op_rates={ATTENTION_RATE: 1e8, ATTENTION_PASS_RATE: 1e3})
     assert node_time_s(node, with_passes) == pytest.approx(flops / 1e8 + passes / 1e3)
     assert attention_pass_time_s(node, with_passes, chunk=batch) == pytest.approx(passes / batch / 1e3)
     assert attention_pass_time_s(node, measured) == 0.0  # no pass rate: the passes are not priced
@@ -128,7 +101,7 @@ def test_attention_priced_by_its_gemm_flops_and_measured_rate():
 
 def test_unknown_op_rate_is_an_error():
     with pytest.raises(ValueError, match="unknown keys"):
-        _profile(op_rates={"softmax": 1.0})
+        synthetic_profile(op_rates={"softmax": 1.0})
     with pytest.raises(ValueError, match="sources lacks"):
         DeviceProfile(name="x", peak_flops={"fp32": 1.0, "bf16": 1.0, "fp8": 1.0}, memory_bandwidth=1.0,
                       host_link_bandwidth=1.0, op_rates={QUANTIZE_RATE: 1.0},
@@ -160,7 +133,7 @@ def test_eager_aten_scratch_bounds_what_the_kernel_allocates(name):
 
     fn, make_inputs = _ATEN_SCRATCH_CASES[name]
     inputs = make_inputs()
-    node = _graph(fn, *inputs)[name]
+    node = traced_ops(fn, *inputs)[name]
     outputs = []
     peak = tensor_peak_bytes(lambda: outputs.append(fn(*inputs)))
     scratch = peak - value_bytes(outputs[0])
@@ -200,7 +173,7 @@ def test_attention_scratch_counts_its_batch_chunk_and_bounds_what_the_ops_alloca
         counted, held = {}, {}
         for chunk in (1, batch):
             fn = make(chunk)
-            counted[chunk] = workspace_bytes(_graph(fn, *inputs)[name])
+            counted[chunk] = workspace_bytes(traced_ops(fn, *inputs)[name])
             outputs = []
             peak = tensor_peak_bytes(lambda: outputs.append(fn(*inputs)))
             held[chunk] = peak - sum(value_bytes(t) for t in outputs[0])
@@ -228,7 +201,7 @@ def test_a_recomputation_is_priced_with_its_pointwise_chains_fused():
     FakeTensorProp(gm).propagate(x, w)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     half, erf, one_plus, gated, mm = nodes
-    profile = _profile(bandwidth=1e9)
+    profile = synthetic_profile(bandwidth=1e9)
     x_bytes = M * K * 4
     # half reads x, gated reads x and writes its output (read by the GEMM): three passes.
     expected = 3 * x_bytes / 1e9 + node_time_s(mm, profile)
