@@ -12,14 +12,23 @@ FSDP2 changes only the order of fp32 sums and every rank's 64 tokens are whole M
 1e-7); MX's rounding moves step 1's loss by about 1e-4 relative from eager fp32 (under
 EAGER_LOSS_RTOL) and the first-step gradients by several percent (more than MX_GRAD_MIN: the
 conversion is not a no-op).
+
+`backend="nvfp4"` (in one process: torchtitan's `apply_compile` with the FP4 backend's pipeline,
+the graphs run op by op): the blocks' gradients equal the FP4 oracle's (tests/fp4_oracle.py) bit
+for bit. torchtitan compiles each block on its own, into one graph that every block runs, so the
+recipe's high-precision rule (the last ~15% of each graph's linear layers) keeps the last linear
+layer of every block (feed_forward.w2, 1 of 5), not the model's last blocks; the oracle is given
+that set. The output projection runs eagerly outside the blocks, in high precision on both sides.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,10 @@ import torch.distributed as dist
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 "
                                         "spmd_types==0.2.3 tyro einops; see docs/torchtitan.md)")
+# The in-process torchtitan llama3 and the restoration of what torchtitan sets process-wide, shared
+# with the activation-checkpointing tests (its fixtures used here by name).
+from integrations.test_activation_checkpointing import _restore_fake_tensor_init, torchtitan_state  # noqa: E402,F401
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available in this torch build")
 
@@ -108,3 +121,54 @@ def test_torchtitan_refusals_are_reported(results) -> None:
         assert len(results["torchao"]["losses"]) == STEPS
     else:
         assert "MXFP8 is only supported on SM100" in results["torchao_converter"], results["torchao_converter"]
+
+
+# ---------------------------------------------------------------- nvfp4, one process
+# Per graph: round(0.15 * 5 linear layers) = 1, the block's last in forward order.
+NVFP4_KEPT_PER_BLOCK = "feed_forward.w2"
+NVFP4_BLOCK_LINEARS = ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w3")
+
+
+def _fp4_oracle_block_gradients(kept: set[str]) -> dict[str, Any]:
+    """The FP4 oracle over the blocks only, as test_activation_checkpointing's MX oracle runs
+    them: embedding, final norm, output projection and loss eager in fp32 outside it."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from fp4_oracle import NVFP4_RECIPE, FP4Oracle
+    from integrations.test_activation_checkpointing import (
+        TT_BATCH, TT_SEQ, TT_VOCAB, _block_gradients, _llama3, _loss, _OutsideOracle, _tokens,
+    )
+
+    model = _llama3()
+    inputs, targets = _tokens(TT_VOCAB, TT_BATCH, TT_SEQ)
+    with FP4Oracle(model, NVFP4_RECIPE, kept, decompositions=select_decomp_table()):
+        h = model.tok_embeddings(inputs)
+        for layer in model.layers.values():
+            h = layer(h, None, None)
+        _OutsideOracle.apply(lambda x: _loss(model.lm_head(model.norm(x)), targets), h).backward()
+    return _block_gradients(model)
+
+
+def test_nvfp4_blocks_train_with_the_fp4_oracles_gradients(torchtitan_state) -> None:
+    """torchtitan's per-block compile with the nvfp4 backend's pipeline (its defaults: RHT,
+    stochastic rounding, 2-D weights, high-precision layers; attention off)."""
+    import mxcompile
+    from gradient_blocks import EXACT, decomposed_eager_lowering
+    from mx_oracle import relative_distance
+    from mxcompile.backend import compile_and_record
+    from mxcompile.config import MXConfig
+    from integrations.test_activation_checkpointing import TT_LAYERS, _titan_step
+
+    backend = functools.partial(compile_and_record, config=MXConfig.for_recipe("nvfp4"),
+                                lower=decomposed_eager_lowering())
+    model, grads = _titan_step(None, backend)
+    found = [mxcompile.report_of(block) for block in model.layers.values()]
+    assert all(len(reports) == 1 for reports in found) and len({id(reports[0]) for reports in found}) == 1
+    report = found[0][0]  # the one graph every block runs
+    linear = Counter((d.module, d.format or d.decision) for d in report.decisions if d.kind != "attention")
+    assert linear == Counter({**{(m, "nvfp4"): 3 for m in NVFP4_BLOCK_LINEARS}, (NVFP4_KEPT_PER_BLOCK, "kept"): 3})
+    assert all(d.decision == "kept" for d in report.decisions if d.kind == "attention")
+    expected = _fp4_oracle_block_gradients({f"layers.{i}.{NVFP4_KEPT_PER_BLOCK}" for i in range(TT_LAYERS)})
+    assert sorted(grads) == sorted(expected)
+    worst = sorted(((relative_distance(grads[n], expected[n]), n) for n in expected), reverse=True)[:3]
+    assert worst[0][0] == EXACT, worst
