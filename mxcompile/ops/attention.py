@@ -220,8 +220,8 @@ def attention_forward_cuda(q, k, v, attn_mask, is_causal, scale, attention_mode,
     `triton_attention_unsupported` says it can run (no mask, equal head counts, attention_mode
     "both", block 32, head_dim a power of two >= 32, a square causal mask), the torch implementation
     otherwise (logged at DEBUG level with the reason). Q and K are quantized along head_dim and
-    V along the keys (`_quantize_operand`), then the kernel quantizes P per
-    key tile in the same format and scale mode. The outputs have the op's layouts (the fake
+    V along the keys (`_quantize_operand`), then the kernel expands them exactly for bf16 MMAs
+    and rounds P to MX per key tile in the same format and scale mode. The outputs have the op's layouts (the fake
     implementation's): the output laid out like q, the logsumexp sequence-major. Also callable
     on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     options = AttentionOptions.from_forward_args(is_causal, scale, attention_mode, forward_elem, scale_mode,
@@ -249,7 +249,9 @@ def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, s
                             forward_elem, grad_elem, scale_mode, block_size, key_tile, batch_chunk=1):
     """`mxcompile::attention_backward` on CUDA: the Triton backward kernels (delta, dK/dV per
     key tile, dQ per query tile; every attention mode) when `triton_attention_unsupported` says they can
-    run, the torch implementation otherwise (logged at DEBUG level with the reason). The
+    run, on Q, K, V and dO quantized here along each product's contraction axis (Q and dO along
+    head_dim and the queries, K along head_dim and the keys, V along head_dim; the GEMM families
+    out of MX in high precision), the torch implementation otherwise (logged at DEBUG level with the reason). The
     logsumexp may come from either forward path: both give the natural-log row logsumexp. The
     gradients are sequence-major, as the fake implementation says. Also callable on CPU tensors
     under TRITON_INTERPRET=1 (the tests)."""
@@ -263,10 +265,17 @@ def attention_backward_cuda(grad_out, q, k, v, attn_mask, out, lse, is_causal, s
         _log.debug("mxcompile::attention_backward: torch implementation, not the Triton kernels: %s", reason)
         return _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options)
     from ..triton_templates import mx_attention_backward_triton
+    from ..triton_templates.attention_backward import quantize_backward_operands
 
+    def quantize(x: torch.Tensor, axis: int, elem: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _quantize_operand(x, axis % x.ndim, elem, scale_mode, block_size)
+
+    operands = quantize_backward_operands(q, k, v, grad_out, quantize, attention_mode=attention_mode,
+                                          forward_elem=forward_elem, grad_elem=grad_elem)
     grads = mx_attention_backward_triton(
-        q, k, v, out, grad_out, lse, sm_scale=scale, causal=is_causal, attention_mode=attention_mode,
+        operands, out, grad_out, lse, sm_scale=scale, causal=is_causal, attention_mode=attention_mode,
         forward_elem=forward_elem, grad_elem=grad_elem, scale_mode=scale_mode, block_size=block_size,
+        out_dtypes=(q.dtype, k.dtype, v.dtype),
     )
     return tuple(sequence_major(g) for g in grads)
 

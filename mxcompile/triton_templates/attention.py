@@ -1,28 +1,28 @@
-"""MX flash attention forward: S = Q K^T with Q and K MX-quantized along head_dim, an online
-softmax in fp32, and O = P V with P and V MX-quantized along the key axis (each block of
-SCALE_BLOCK consecutive keys shares a scale). Both products use `tl.dot_scaled` (native on
-sm100+, emulated by Triton elsewhere); there is no FP8-`tl.dot` variant because P lives in
-registers and cannot be cut into 32-key slices.
+"""MX flash attention forward: S = Q K^T with Q and K in MX along head_dim, an online softmax in
+fp32, and O = P V with P and V in MX along the key axis (each block of SCALE_BLOCK consecutive
+keys shares a scale), with the semantics of the CPU op `mxcompile::attention`
+(`mxcompile.ops.attention_reference`, the definition).
 
-P is quantized inside the kernel, per key tile, relative to the running row maximum, with the
-algorithm of the CPU op `mxcompile::attention` (mxcompile/attention.py): scores in base-2 units
-(S * sm_scale * log2(e)), the running maximum kept as an integer exponent m = ceil(row max), so
-the unnormalized P = 2**(S - m) of a tile has its largest value in (1/2, 1] and every rescale of
-the accumulator is an exact power of two. MX quantization commutes with power-of-two scaling, so
-the result does not depend on BLOCK_N beyond fp32 rounding (a real-valued running maximum, as in
-FlashAttention, would make P's rounding, and so the output, depend on the tile size by up to a
-few % of max|V|). The softmax denominator sums the unquantized fp32 P. The tile-faithful
-reference `mx_attention_reference(..., block_n=BLOCK_N)` replays the same algorithm in torch
-with the numerics core's quantizer, and `mx_attention_exact` is plain fp32 attention on the
-dequantized Q, K, V.
+Q, K and V come quantized (FP8 data and E8M0 scales, by the quantize kernel in the CUDA op),
+each along the axis its product contracts: the kernel quantizes no operand. It loads FP8 tiles
+(half the bytes of bf16) and expands them exactly to bf16 (an FP8 value times a power-of-two
+scale; `kernels/mx_tile.load_mx_tile` states the underflow edge) for bf16 MMAs with fp32
+accumulation: Hopper has no MX tensor cores, and this is exact.
+
+P is rounded to MX in registers, per key tile, relative to the running row maximum, with the
+algorithm of the CPU op: scores in base-2 units (S * sm_scale * log2(e)), the running maximum
+kept as an integer exponent m = ceil(row max), so the unnormalized P = 2**(S - m) of a tile has
+its largest value in (1/2, 1] and every rescale of the accumulator is an exact power of two.
+MX rounding commutes with power-of-two scaling, so the result does not depend on BLOCK_N beyond
+fp32 rounding. The softmax denominator sums the unrounded fp32 P. With BLOCK_N equal to the CPU
+op's key_tile the kernel runs the op's sums in its order: under the interpreter it is bit-for-bit
+the op (tests/triton_templates/test_attention_kernel.py).
 
 The kernel is `kernels/attention.py`; this module holds its launcher and references.
-`tl.constexpr`s: Q_ELEM, K_ELEM, V_ELEM; P's element format, scale mode and cast (P_ELEM,
-P_SCALE_MODE, CAST); CAUSAL, STORE_LSE, HEAD_DIM, SCALE_BLOCK, BLOCK_M, BLOCK_N.
-Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k, D/bs),
-v (BH, S_k/bs, D). Causal masking is top-left aligned and needs S_q == S_k. With STORE_LSE the
-kernel also writes the row logsumexp (BH, S_q), which the backward (`attention_backward`)
-takes.
+`tl.constexpr`s: P_ELEM, SCALE_MODE, CAUSAL, STORE_LSE, DOT, HEAD_DIM, SCALE_BLOCK, BLOCK_M,
+BLOCK_N. Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k,
+D/bs), v (BH, ceil(S_k/bs), D). Causal masking is top-left aligned and needs S_q == S_k. With
+STORE_LSE the kernel also writes the row logsumexp (BH, S_q), which the backward takes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch
 
 from ..numerics.formats import elem_format, scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
-from .common import check_cast
 from .configs import autotuned, attention_autotune_configs, interpreter_attention_config
 from .loader import kernel_module
 
@@ -47,36 +46,33 @@ LN2 = math.log(2.0)
 @dataclass(frozen=True)
 class AttentionKey:
     """The constexpr specialisation of the MX attention forward kernel (Triton compiles one
-    kernel per value). `elem` is the format of P (the formats of Q, K and V come from their
-    dtypes and are in `qkv_elems`); validated on construction."""
+    kernel per value): the element format and scale mode of P's rounding (the formats of Q, K
+    and V come from their dtypes); validated on construction."""
 
     elem: str = "e4m3"
     scale_mode: str = "rceil"
-    cast: str = "software"
-    qkv_elems: tuple[str, str, str] = ("e4m3", "e4m3", "e4m3")
 
     def __post_init__(self) -> None:
-        for elem in (self.elem, *self.qkv_elems):
-            elem_format(elem)
+        elem_format(self.elem)
         scale_mode_named(self.scale_mode)
-        check_cast(self.cast)
 
     def meta(self) -> dict[str, str]:
         """The kernel's constexpr meta-parameters for this specialisation."""
-        q_elem, k_elem, v_elem = (elem_format(e).name for e in self.qkv_elems)
-        return {
-            "Q_ELEM": q_elem, "K_ELEM": k_elem, "V_ELEM": v_elem,
-            "P_ELEM": elem_format(self.elem).name,
-            "P_SCALE_MODE": scale_mode_named(self.scale_mode).value,
-            "CAST": self.cast,
-        }  # fmt: skip
+        return {"P_ELEM": elem_format(self.elem).name, "SCALE_MODE": scale_mode_named(self.scale_mode).value}
+
+
+def dot_dtype(interpret: bool) -> str:
+    """The MMA operand dtype of the MX attention kernels (constexpr DOT): bf16 on a GPU; fp32
+    under the interpreter, whose bf16 dot multiplies bf16 bit patterns as integers. The
+    expanded MX operands are exact in both (see `kernels/mx_tile.load_mx_tile`)."""
+    return "fp32" if interpret else "bf16"
 
 
 @functools.cache
 def _autotuned(block_size: int) -> Any:
     configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
     kernel = kernel_module("attention", interpret=False).mx_attention_fwd_kernel
-    tune_key = ["S_Q", "S_K", *AttentionKey().meta(), "HEAD_DIM", "CAUSAL", "STORE_LSE"]
+    tune_key = ["S_Q", "S_K", *AttentionKey().meta(), "HEAD_DIM", "CAUSAL", "STORE_LSE", "DOT"]
     return autotuned(kernel, configs, tune_key)
 
 
@@ -97,12 +93,11 @@ def mx_attention_triton(
     out_dtype: torch.dtype = torch.bfloat16,
     p_elem: str = "e4m3",
     p_scale_mode: str = "rceil",
-    cast: str = "software",
     tiles: dict[str, int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX attention forward. q (..., S_q, D), k and v (..., S_k, D) FP8; scales: q (..., S_q,
-    D/bs) and k (..., S_k, D/bs) along D, v (..., S_k/bs, D) along keys. Returns (..., S_q, D);
+    D/bs) and k (..., S_k, D/bs) along D, v (..., ceil(S_k/bs), D) along keys. Returns (..., S_q, D);
     with return_lse=True (output, logsumexp (..., S_q) fp32, natural log), the pair
     `mx_attention_backward_triton` takes."""
     from . import _require
@@ -123,17 +118,15 @@ def mx_attention_triton(
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
     if block_size != 32:
-        raise ValueError("MX attention uses tl.dot_scaled, whose MX group is 32: block_size=32")
+        raise ValueError("MX attention takes the MX block of 32 (OCP MX): block_size=32")
     if d % block_size or d & (d - 1) or d < 32:
         raise ValueError(f"head_dim={d} must be a power of two >= 32")
-    if s_k % block_size:
-        raise ValueError(f"S_k={s_k} must be a multiple of block_size={block_size} (V's scales)")
     if causal and s_q != s_k:
         raise ValueError("causal=True needs S_q == S_k (top-left aligned mask)")
     expected = {
         "q_scale": (q_scale, (*lead, s_q, d // block_size)),
         "k_scale": (k_scale, (*lead, s_k, d // block_size)),
-        "v_scale": (v_scale, (*lead, s_k // block_size, d)),
+        "v_scale": (v_scale, (*lead, -(-s_k // block_size), d)),
     }
     scales = {}
     for name, (t, shape) in expected.items():
@@ -147,12 +140,7 @@ def mx_attention_triton(
     from . import _interpreting
 
     interpret = _interpreting()
-    key = AttentionKey(
-        elem_format(p_elem).name,
-        scale_mode_named(p_scale_mode).value,
-        cast,
-        (_FP8_DTYPE_TO_ELEM[q.dtype], _FP8_DTYPE_TO_ELEM[k.dtype], _FP8_DTYPE_TO_ELEM[v.dtype]),
-    )
+    key = AttentionKey(elem_format(p_elem).name, scale_mode_named(p_scale_mode).value)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
 
@@ -189,8 +177,9 @@ def attention_launch(
     wrap: Any = None,
     store_lse: bool = False,
 ) -> Any:
-    """Thin launcher on 3-D (heads, rows, cols) tensors; no validation (see mx_attention_triton).
-    Returns the output, or (output, logsumexp (heads, rows) fp32) when store_lse."""
+    """Thin launcher on 3-D (heads, rows, cols) tensors, made contiguous (the kernel's layout);
+    no validation (see mx_attention_triton). Returns the output, or (output, logsumexp (heads,
+    rows) fp32) when store_lse."""
     import triton
 
     heads, s_q, d = q.shape
@@ -198,15 +187,14 @@ def attention_launch(
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     # Without store_lse the kernel never touches lse_ptr: the output stands in for it.
     lse = torch.empty((heads, s_q), dtype=torch.float32, device=q.device) if store_lse else out
-    lse_strides = lse.stride() if store_lse else (0, 0)
     result = (out, lse) if store_lse else out
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return (triton.cdiv(s_q, meta["BLOCK_M"]), heads)
 
     meta: dict[str, Any] = {
-        **key.meta(), "CAUSAL": causal, "STORE_LSE": store_lse, "HEAD_DIM": d,
-        "SCALE_BLOCK": block_size,
+        **key.meta(), "CAUSAL": causal, "STORE_LSE": store_lse, "DOT": dot_dtype(interpret),
+        "HEAD_DIM": d, "SCALE_BLOCK": block_size,
     }  # fmt: skip
     if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
         return result
@@ -219,13 +207,8 @@ def attention_launch(
             raise ValueError(f"tiles['BLOCK_N'] must be a multiple of block_size={block_size}")
     if wrap is not None:
         kernel = wrap(kernel)
-    kernel[grid](
-        q, q_scale, k, k_scale, v, v_scale, out, lse,
-        s_q, s_k, sm_scale * LOG2E,
-        *q.stride(), *q_scale.stride(), *k.stride(), *k_scale.stride(), *v.stride(),
-        *v_scale.stride(), *out.stride(), *lse_strides,
-        **meta,
-    )  # fmt: skip
+    operands = [t.contiguous() for t in (q, q_scale, k, k_scale, v, v_scale)]
+    kernel[grid](*operands, out, lse, s_q, s_k, sm_scale * LOG2E, **meta)
     return result
 
 

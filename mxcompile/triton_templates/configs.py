@@ -96,10 +96,12 @@ def attention_backward_autotune_configs(kernel: str) -> list[triton.Config]:
     """Tile configs of the MX attention backward kernels ("dkdv": BLOCK_N keys per program,
     BLOCK_M queries per step; "dq": the reverse). Shapes after the Triton fused-attention
     tutorial's backward (dK/dV: 32 x 128, dQ: 128 x 32, 4 warps), plus square 64-tiles, plus the
-    narrow shapes with 8 warps: compiled for sm90 at head_dim 128 (`gpu_kernels.py
-    --pipelining 90`), every config spills registers (the tiles are quantized in-kernel), the
-    4-warp tutorial shapes 2.3-2.8 KB per thread, their 8-warp versions 0.1-0.6 KB. Untimed so
-    far (no GPU was available): the autotuner picks among them on a GPU."""
+    narrow shapes with 8 warps. Compiled for sm90 at head_dim 128 with the operands quantized
+    outside the kernels (2026-12-07, `kernel_static.py`), the 8-warp narrow shapes spill nothing
+    (dK/dV 32 x 128: 253 registers; dQ 128 x 32: 185) while the 4-warp tutorial shapes still
+    spill (dK/dV 32 x 128: 840 B, as the bf16 reference's 784 B; dQ 128 x 32: 120 B); the static
+    choice takes the fewest spilled bytes first. Untimed (no GPU was available): on a GPU the
+    autotuner picks among them by time."""
     shapes = {
         "dkdv": [(32, 128, 3, 4), (64, 64, 3, 4), (64, 128, 3, 8), (32, 64, 3, 4), (32, 128, 3, 8),
                  (32, 64, 3, 8)],

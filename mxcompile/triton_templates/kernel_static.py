@@ -226,7 +226,7 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
     from ..numerics.formats import DEFAULT_BLOCK_SIZE as block
     from ..numerics.formats import E4M3, ScaleMode
     from .attention import AttentionKey, attention_launch
-    from .attention_backward import AttentionBackwardKey, attention_backward_launch
+    from .attention_backward import AttentionBackwardKey, attention_backward_launch, empty_operands
     from .flash_attention import flash_attention_backward_launch, flash_attention_launch
     from .mx_gemm import MXMMKey, mx_mm_launch
     from .quantize import quantize_launch
@@ -246,9 +246,10 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
     attention = dict(sm_scale=sm_scale, causal=causal, interpret=False)
     mx_forward = functools.partial(attention_launch, q8, qs, q8, qs, q8, vs, key=AttentionKey(),
                                    block_size=block, out_dtype=bf16, **attention)  # fmt: skip
-    mx_backward = functools.partial(attention_backward_launch, x, x, x, x, x, lse,
+    mx_backward = functools.partial(attention_backward_launch,
+                                    empty_operands(heads, seq, seq, head_dim, device=meta), x, x, lse,
                                     key=AttentionBackwardKey(), mx_qk=True, mx_pv=True,
-                                    block_size=block, **attention)  # fmt: skip
+                                    block_size=block, out_dtypes=(bf16,) * 3, **attention)  # fmt: skip
     bf16_forward = functools.partial(flash_attention_launch, x, x, x, **attention)
     bf16_backward = functools.partial(flash_attention_backward_launch, x, x, x, x, x, lse, **attention)
     quantize = functools.partial(quantize_launch, empty(gemm_size, gemm_size, dtype=bf16),

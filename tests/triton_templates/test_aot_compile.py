@@ -17,6 +17,7 @@ from mxcompile.triton_templates.attention import AttentionKey, attention_launch
 from mxcompile.triton_templates.attention_backward import (
     AttentionBackwardKey,
     attention_backward_launch,
+    empty_operands,
 )
 from mxcompile.triton_templates.mx_gemm import MXMMKey, mx_mm_launch
 from mxcompile.triton_templates.quantize import quantize_launch
@@ -179,9 +180,10 @@ def test_attention_backward_compiles(capability: int) -> None:
     heads, s, d = 8, 1024, 32
     x = _empty(heads, s, d, dtype=torch.bfloat16)
     lse = _empty(heads, s, dtype=torch.float32)
+    operands = empty_operands(heads, s, s, d, device=torch.device("meta"))
     kernels = compile_launch(
         lambda wrap: attention_backward_launch(
-            x, x, x, x, x, lse,
+            operands, x, x, lse,
             key=AttentionBackwardKey(grad_elem="e5m2"), sm_scale=0.125, causal=True, mx_qk=True,
             mx_pv=True, block_size=32, tiles={"BLOCK_M": 32, "BLOCK_N": 32}, interpret=False,
             wrap=wrap,

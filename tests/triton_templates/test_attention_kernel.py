@@ -1,60 +1,58 @@
-"""The MX attention forward kernel against (1) the tile-faithful torch reference (same online
-softmax and per-tile P quantization, numerics-core quantizer): |o - ref| <= 1e-5 * max(1, max|ref|)
-(measured <= 9.6e-7 with outputs up to 9.8); (2) exact fp32 attention on the dequantized Q, K, V
-(P not quantized): |o - exact| <= 0.02 * max|V| (P in E4M3 carries up to 2^-4 relative rounding
-per element, the row's largest included: it lies in (1/2, 1], not at 1, under the integer running
-maximum; measured 0.12-0.28 with max|V| = 28, i.e. <= 0.01 * max|V|)."""
+"""The MX attention forward kernel (under the interpreter) against the CPU op's torch
+implementation, `mxcompile.ops.attention_reference.attention_forward_impl` (the definition):
+bit for bit, output and logsumexp, with the kernel's BLOCK_N equal to the op's key_tile and the
+interpreter's exp2, log2, row sums and fp32 dots made torch's (`attention_exactness`).
+
+Q and K are quantized along head_dim and V along the keys outside the kernel (the numerics
+core); the kernel expands them and rounds P in registers. Cases: sequences 64-256, head_dim 64
+and 128, causal and not, sequences that are not a multiple of the tiles, E5M2 with floor
+scales (the saturating clamp of P's rounding)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from mxcompile.numerics import E4M3, ScaleMode, quantize_along
+from attention_exactness import octave_operands, quantized, torch_primitives  # noqa: F401
+from mxcompile.ops.attention_reference import AttentionOptions, attention_forward_impl
 from mxcompile.triton_templates import mx_attention_triton
-from mxcompile.triton_templates.attention import mx_attention_exact, mx_attention_reference
-
-TILES = {"BLOCK_M": 32, "BLOCK_N": 32}
-
-
-def _qkv(bh: int, s_q: int, s_k: int, d: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(bh, s_q, d, generator=g) * torch.logspace(-2, 2, d, base=2.0)
-    k = torch.randn(bh, s_k, d, generator=g)
-    v = torch.randn(bh, s_k, d, generator=g) * torch.logspace(-3, 3, s_k, base=2.0)[:, None]
-    qq = quantize_along(q, 2, E4M3, ScaleMode.RCEIL, 32)
-    kq = quantize_along(k, 2, E4M3, ScaleMode.RCEIL, 32)
-    vq = quantize_along(v, 1, E4M3, ScaleMode.RCEIL, 32)  # along the key axis
-    return (*qq, *kq, *vq)
 
 
 @pytest.mark.parametrize(
-    "shape,causal",
-    [((2, 64, 64, 64), False), ((2, 64, 64, 64), True), ((1, 40, 96, 32), False)],
-    ids=["full", "causal", "ragged-queries"],
+    "seq,head_dim,causal,key_tile,block_m,elem,scale_mode",
+    [
+        (64, 64, False, 32, 32, "e4m3", "rceil"),
+        (96, 128, True, 64, 32, "e4m3", "rceil"),
+        (160, 64, True, 64, 64, "e4m3", "rceil"),
+        (256, 128, False, 128, 64, "e4m3", "rceil"),
+        (96, 64, True, 64, 64, "e5m2", "floor"),
+    ],
+    ids=["s64-d64", "s96-d128-causal", "s160-d64-causal", "s256-d128", "s96-e5m2-floor-causal"],
 )
-def test_attention_matches_references(shape: tuple[int, int, int, int], causal: bool) -> None:
-    args = _qkv(*shape)
-    out = mx_attention_triton(*args, causal=causal, out_dtype=torch.float32, tiles=TILES)
-    ref = mx_attention_reference(*args, causal=causal, block_n=TILES["BLOCK_N"])
-    assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
-    exact = mx_attention_exact(*args, causal=causal)
-    vmax = args[4].float().abs().max() * 2.0 ** (args[5].int().max() - 127)
-    assert (out - exact).abs().max().item() <= 0.02 * vmax
-
-
-def test_attention_4d_bf16_out() -> None:
-    q, qs, k, ks, v, vs = _qkv(2, 64, 64, 32, seed=1)
-    four = [t.reshape(1, 2, *t.shape[1:]) for t in (q, qs, k, ks, v, vs)]
-    out = mx_attention_triton(*four, out_dtype=torch.bfloat16, tiles={"BLOCK_M": 64, "BLOCK_N": 64})
-    ref = mx_attention_reference(q, qs, k, ks, v, vs, block_n=64).reshape(1, 2, 64, 32)
-    assert out.shape == (1, 2, 64, 32) and out.dtype == torch.bfloat16
-    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-30)
-    assert ((out.float() - ref).abs() <= ulp + 1e-6).all()
+def test_forward_bit_identical_to_the_cpu_op(
+    torch_primitives, seq: int, head_dim: int, causal: bool, key_tile: int, block_m: int, elem: str,
+    scale_mode: str,
+) -> None:  # fmt: skip
+    q, k, v, _ = octave_operands(1, 2, seq, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    options = AttentionOptions(causal, scale, "both", elem, scale_mode, 32, key_tile)
+    ref_out, ref_lse = attention_forward_impl(q, k, v, None, options)
+    operands = [*quantized(q, -1, elem, scale_mode), *quantized(k, -1, elem, scale_mode),
+                *quantized(v, -2, elem, scale_mode)]  # fmt: skip
+    out, lse = mx_attention_triton(
+        *operands, sm_scale=scale, causal=causal, out_dtype=torch.float32, p_elem=elem,
+        p_scale_mode=scale_mode, tiles={"BLOCK_M": block_m, "BLOCK_N": key_tile}, return_lse=True,
+    )  # fmt: skip
+    assert torch.equal(out, ref_out)
+    assert torch.equal(lse, ref_lse)
 
 
 def test_attention_errors() -> None:
-    q, qs, k, ks, v, vs = _qkv(1, 32, 64, 32)
+    q, qs = quantized(torch.randn(1, 32, 32), -1)
+    k, ks = quantized(torch.randn(1, 64, 32), -1)
+    v, vs = quantized(torch.randn(1, 64, 32), -2)
     with pytest.raises(ValueError, match="causal=True needs"):
         mx_attention_triton(q, qs, k, ks, v, vs, causal=True)
     with pytest.raises(ValueError, match="v_scale must be"):

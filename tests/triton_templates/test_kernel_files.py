@@ -138,7 +138,7 @@ def test_interpreter_works_when_triton_was_imported_first() -> None:
         assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8)) and torch.equal(s, rs)
         b, sb = quantize_along(torch.randn(64, 32), 0, E4M3, ScaleMode.RCEIL, 32)
         ops = ("gelu_tanh", "gelu_erf", "silu")
-        for path in ("dot_scaled", "hopper"):
+        for path in ("dot_scaled", "expand_bf16", "fp8_per_block"):
             c = mx_mm_triton(d, s, b, sb, 32, torch.float32, ops, path=path)
             ref = mx_mm_reference(d, s, b, sb, 32, torch.float32, ops)
             assert (c - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -149,9 +149,14 @@ def test_interpreter_works_when_triton_was_imported_first() -> None:
         assert (o - ref).abs().max() <= 1e-5
         from mxcompile.triton_templates import mx_attention_backward_triton
         from mxcompile.triton_templates.attention_backward import mx_attention_backward_reference
+        from mxcompile.triton_templates.attention_backward import quantize_backward_operands
         x32 = [torch.randn(1, 32, 32) for _ in range(5)]
         lse = torch.logsumexp(x32[0] @ x32[1].mT, dim=-1)
-        grads = mx_attention_backward_triton(*x32, lse, causal=True)
+        def quantize(x, axis, elem):
+            return quantize_along(x, axis % x.ndim, E4M3, ScaleMode.RCEIL, 32)
+        operands = quantize_backward_operands(x32[0], x32[1], x32[2], x32[4], quantize, attention_mode="both",
+                                              forward_elem="e4m3", grad_elem="e4m3")
+        grads = mx_attention_backward_triton(operands, x32[3], x32[4], lse, causal=True)
         refs = mx_attention_backward_reference(*x32, lse, causal=True)
         for g, r in zip(grads, refs):
             assert (g - r).abs().max() <= 1e-5 * r.abs().max()

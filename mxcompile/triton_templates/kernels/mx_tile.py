@@ -1,5 +1,6 @@
 """Shared `@triton.jit` helpers: MX quantization of a tile (E8M0 scale bytes, FP8 bytes), the
-operand layouts `tl.dot_scaled` wants, row-masked tile loads, and the named constants.
+load of an MX operand tile expanded exactly for a bf16 MMA (`load_mx_tile`), MX rounding in
+registers (`mx_round`), row-masked tile loads, the online-softmax step, and the named constants.
 
 The helpers restate, in Triton on fp32 bit patterns, the rules of `mxcompile.numerics.scales`
 and `mxcompile.numerics.quantize` (the single definition of MX numerics); the tests check them
@@ -36,6 +37,8 @@ F32_EXPONENT_BIAS: tl.constexpr = tl.constexpr(127)
 F32_ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
 F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # the smallest non-finite |x| bits
 F32_QUIET_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+F32_EXPONENT_FIELD: tl.constexpr = tl.constexpr(formats.F32_EXPONENT_MASK << formats.F32_MANTISSA_BITS)
+F32_SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 # 2**-127 (an fp32 subnormal): the mantissa's top bit alone.
 F32_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << (formats.F32_MANTISSA_BITS - 1))
 # Bits to drop, at most, when rounding an fp32 significand (keeps the shift below 31).
@@ -56,6 +59,7 @@ LN2: tl.constexpr = tl.constexpr(math.log(2.0))
 _FORMATS = {fmt.name: fmt for fmt in (formats.E4M3, formats.E5M2)}
 _EXPONENT_BIAS = {name: exponent_bias(fmt) for name, fmt in _FORMATS.items()}
 _FP8_TYPES = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+_DOT_TYPES = {"bf16": tl.bfloat16, "fp32": tl.float32}
 _SCALE_MODES = tuple(scale_mode.value for scale_mode in formats.ScaleMode)
 
 
@@ -111,6 +115,25 @@ def even_rounding_increment(elem):
 @triton.constexpr_function
 def fp8_type(elem):
     return _FP8_TYPES[elem]
+
+
+@triton.constexpr_function
+def elem_min_normal_field(elem):
+    """fp32 exponent field (bits) of the format's smallest normal."""
+    return (1 - _EXPONENT_BIAS[elem] + 127) << formats.F32_MANTISSA_BITS
+
+
+@triton.constexpr_function
+def elem_magic_offset(elem):
+    """Added to an exponent field: the power of two whose fp32 ulp is 2**-mantissa_bits of it."""
+    return (formats.F32_MANTISSA_BITS - _FORMATS[elem].mantissa_bits) << formats.F32_MANTISSA_BITS
+
+
+@triton.constexpr_function
+def dot_type(name):
+    """The MMA operand dtype: "bf16" on a GPU (exact for MX operands, see `load_mx_tile`);
+    "fp32" under the interpreter, whose bf16 dot multiplies the uint16 bit patterns."""
+    return _DOT_TYPES[name]
 
 
 @triton.jit
@@ -247,38 +270,67 @@ def quantize_blocks(
 
 
 @triton.jit
-def mx_lhs(
-    x,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    ELEM: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    CAST: tl.constexpr,
-):
-    """fp32 x (ROWS, COLS) as a left dot_scaled operand, in MX along COLS (its contraction
-    axis): FP8 data (ROWS, COLS) and uint8 scales (ROWS, COLS // SCALE_BLOCK)."""
-    blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
-    data, scale = quantize_blocks(blocks, 2, ELEM, SCALE_MODE, CAST)
-    return tl.reshape(data, (ROWS, COLS)).to(fp8_type(ELEM), bitcast=True), scale
+def load_mx_tile(
+    data_ptr, scale_ptr, head, r0, S,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ALONG_ROWS: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Rows r0 .. r0 + ROWS of head `head` of an MX operand quantized outside the kernel,
+    expanded exactly to the MMA's dtype DOT ("bf16", or "fp32" under the interpreter). Data
+    (heads, S, HEAD_DIM) FP8, contiguous; scales contiguous uint8, (heads, S, HEAD_DIM / 32)
+    along head_dim, or with ALONG_ROWS (heads, ceil(S / 32), HEAD_DIM) along the rows (r0 is
+    then a multiple of SCALE_BLOCK). Rows at or past S read 0.
+
+    An FP8 value times a power-of-two scale is exact in bf16 unless it falls below bf16's
+    smallest subnormal (2**-133): exact for every element of a block whose scale byte is at
+    least 3 (E4M3, smallest subnormal 2**-9) or 10 (E5M2, 2**-16), i.e. a block maximum above
+    about 2**-116 (E4M3); fp32 is exact for every byte."""
+    offs_r = r0 + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_r = offs_r < S
+    data_ptrs = data_ptr + head * S * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :]
+    x = tl.load(data_ptrs, mask=mask_r[:, None], other=0.0).to(dot_type(DOT))
+    if ALONG_ROWS:
+        n_blocks = (S + SCALE_BLOCK - 1) // SCALE_BLOCK
+        offs_b = r0 // SCALE_BLOCK + tl.arange(0, ROWS // SCALE_BLOCK)
+        scale_ptrs = scale_ptr + head * n_blocks * HEAD_DIM + offs_b[:, None] * HEAD_DIM + offs_d[None, :]
+        scale = tl.load(scale_ptrs, mask=(offs_b < n_blocks)[:, None], other=E8M0_ONE)
+        blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, HEAD_DIM))
+        x = blocks * tl.expand_dims(scale_fp32(scale).to(dot_type(DOT)), 1)
+    else:
+        blocks_per_row: tl.constexpr = HEAD_DIM // SCALE_BLOCK
+        offs_b = tl.arange(0, blocks_per_row)
+        scale_ptrs = scale_ptr + head * S * blocks_per_row + offs_r[:, None] * blocks_per_row + offs_b[None, :]
+        scale = tl.load(scale_ptrs, mask=mask_r[:, None], other=E8M0_ONE)
+        blocks = tl.reshape(x, (ROWS, blocks_per_row, SCALE_BLOCK))
+        x = blocks * tl.expand_dims(scale_fp32(scale).to(dot_type(DOT)), 2)
+    return tl.reshape(x, (ROWS, HEAD_DIM))
 
 
 @triton.jit
-def mx_rhs(
-    x,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    ELEM: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    CAST: tl.constexpr,
-):
-    """fp32 x (ROWS, COLS) as a right dot_scaled operand, in MX along ROWS (its contraction
-    axis): FP8 data (ROWS, COLS) and uint8 scales (COLS, ROWS // SCALE_BLOCK), the layout
-    dot_scaled wants."""
-    blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, COLS))
-    data, scale = quantize_blocks(blocks, 1, ELEM, SCALE_MODE, CAST)
-    return tl.reshape(data, (ROWS, COLS)).to(fp8_type(ELEM), bitcast=True), tl.trans(scale)
+def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+             ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):  # fmt: skip
+    """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, and dequantized: the fp32
+    value an MX GEMM multiplies (`mxcompile.numerics`: the block scale from the block's amax,
+    x scaled by its inverse, clamped, rounded to the element format's nearest even, scaled
+    back; a block holding a NaN or an Inf is all NaN). No FP8 byte is formed: rounding to the
+    element grid is the fp32 add and subtract of a power of two, 2**(23 - mantissa bits)
+    times the grid's exponent (that of the scaled value, or the format's smallest normal below
+    it), signed like the value."""
+    blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
+    # The block amax on the bits: NaN bits exceed Inf's, so one integer max finds both.
+    amax_bits = tl.reduce(blocks.to(tl.int32, bitcast=True) & F32_ABS_MASK, 2, max_combine)
+    scale = scale_bytes(amax_bits.to(tl.float32, bitcast=True), amax_bits >= F32_INF_BITS, ELEM, SCALE_MODE)
+    y = blocks * tl.expand_dims(inverse_scale(scale), 2)
+    if SCALE_MODE != "rceil":
+        # rceil's scale keeps |y| within the format's max (to fp32 rounding, which rounds back
+        # to the max below); the other modes saturate.
+        y = tl.minimum(tl.maximum(y, -elem_max(ELEM)), elem_max(ELEM))
+    y_bits = y.to(tl.int32, bitcast=True)
+    grid = tl.maximum(y_bits & F32_EXPONENT_FIELD, elem_min_normal_field(ELEM))
+    magic = ((grid + elem_magic_offset(ELEM)) | (y_bits & F32_SIGN_BIT)).to(tl.float32, bitcast=True)
+    rounded = (y + magic) - magic
+    return tl.reshape(rounded * tl.expand_dims(scale_fp32(scale), 2), (ROWS, COLS))
 
 
 @triton.jit
