@@ -18,7 +18,10 @@ stages of the MX kernel it stands beside; the chosen configs are compiled causal
 
 The figure: instructions issued per KV tile, MX against bf16 (`kernel_static.issued_per_element`,
 per score element: loop instructions x warps / (BLOCK_M x BLOCK_N)); the backward's is the sum
-of its dK/dV and dQ kernels'. A static proxy: it counts instructions, not their latency or the
+of its dK/dV and dQ kernels'. The MX GEMM's main loops are compared per product (loop
+instructions x warps / (BLOCK_M x BLOCK_N x BLOCK_K)) with each other and with a plain bf16
+`tl.dot` GEMM compiled with the same tiles (`gemm_comparison`; `--gemm-only` recompiles just
+these rows into an existing results file). A static proxy: it counts instructions, not their latency or the
 memory traffic, and a spilling kernel's local loads and stores count as instructions.
 """
 
@@ -62,6 +65,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--first-config", action="store_true",
                    help="compile only each kernel's first autotune config (a quick look)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--gemm-only", action="store_true",
+                   help="compile only the GEMM kernels and replace their entries in --out's file")
     return p.parse_args()
 
 
@@ -162,23 +167,72 @@ def attention_report(sm: int, head_dim: int, first_only: bool) -> dict[str, Any]
     return result
 
 
-def other_kernels_report(sm: int, first_only: bool) -> dict[str, Any]:
-    """The quantize kernel (bf16 in, both axes) and the MX GEMM paths, every autotune config."""
+def quantize_report(sm: int, first_only: bool) -> dict[str, Any]:
+    """The quantize kernel (bf16 in, both axes), every autotune config."""
     kernels = launchers(64, False)  # head_dim is not used by these
-    result: dict[str, Any] = {}
     quantize_configs = configs.quantize_autotune_configs()[: 1 if first_only else None]
     records, chosen = _sweep(sm, "quantize", *kernels["quantize"], quantize_configs, _scores)
-    result["quantize"] = {"configs": records, "chosen": chosen}
+    return {"quantize": {"configs": records, "chosen": chosen}}
+
+
+def _products(tiles: dict[str, int]) -> int:
+    return tiles["BLOCK_M"] * tiles["BLOCK_N"] * tiles["BLOCK_K"]
+
+
+def _bytes_per_product(tiles: dict[str, int], element_bytes: int, scale_block: int | None) -> float:
+    """Global bytes one program loads per K tile (its A and B tiles, and their scale bytes),
+    per product of the tile."""
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    loaded = (bm + bn) * bk * element_bytes + ((bm + bn) * bk // scale_block if scale_block else 0)
+    return loaded / _products(tiles)
+
+
+def gemm_report(sm: int, first_only: bool) -> dict[str, Any]:
+    """The MX GEMM's main loops, every autotune config (expand_bf16 and fp8_per_block on sm90
+    only: sm100 has block-scaled MMA), and the plain bf16 GEMM compiled with the tiles of each
+    path's chosen config. On sm90, the comparison that decides `gemm_kernel`'s "auto" path
+    there (`triton_templates.resolve_gemm_path`): instructions issued and global bytes loaded
+    per product, each path's chosen config."""
+    kernels = launchers(64, False)
     gemm_configs = configs.mx_mm_autotune_configs()[: 1 if first_only else None]
-
-    def products(tiles: dict[str, int]) -> int:
-        return tiles["BLOCK_M"] * tiles["BLOCK_N"] * tiles["BLOCK_K"]
-
-    # The per-block "hopper" path matters on sm90 only: sm100 has block-scaled MMA.
-    paths = ["mx_gemm_dot_scaled"] + (["mx_gemm_hopper"] if sm < 100 else [])
-    for label in paths:
-        records, chosen = _sweep(sm, label, *kernels[label], gemm_configs, products)
-        result[label] = {"configs": records, "chosen": chosen}
+    paths = ["dot_scaled"] + (["expand_bf16", "fp8_per_block"] if sm < 100 else [])
+    result: dict[str, Any] = {}
+    comparison: dict[str, Any] = {}
+    for path in paths:
+        label = f"mx_gemm_{path}"
+        records, chosen = _sweep(sm, label, *kernels[label], gemm_configs, _products)
+        config = gemm_configs[chosen]
+        reference_name, reference_launch = kernels["bf16_gemm"]
+        static = compile_static(reference_launch, reference_name, config.kwargs, sm, config.num_warps,
+                                config.num_stages)  # fmt: skip
+        reference = issued_per_element(static, config.num_warps, _products(config.kwargs))
+        print(_row(sm, f"bf16_gemm (tiles of {path})", config, static, reference, ""), flush=True)
+        issued = records[chosen]["issued_per_element"]
+        result[label] = {"configs": records, "chosen": chosen,
+                         "bf16_reference": _record(config, static, reference)}  # fmt: skip
+        comparison[path] = {
+            "config": records[chosen]["config"],
+            "issued_per_product": issued,
+            "spill_bytes": records[chosen]["spill_bytes"],
+            "bytes_per_product": _bytes_per_product(config.kwargs, 1, 32),
+            "bf16_reference_issued_per_product": reference,
+            "bf16_reference_bytes_per_product": _bytes_per_product(config.kwargs, 2, None),
+            "issued_over_bf16_reference": issued / reference,
+        }
+    if "expand_bf16" in comparison:
+        expand, dot_scaled = comparison["expand_bf16"], comparison["dot_scaled"]
+        comparison["expand_bf16_over_dot_scaled_issued"] = expand["issued_per_product"] / dot_scaled["issued_per_product"]
+        comparison["expand_bf16_wins"] = (
+            expand["spill_bytes"] <= dot_scaled["spill_bytes"]
+            and expand["issued_per_product"] < dot_scaled["issued_per_product"]
+            and expand["bytes_per_product"] <= dot_scaled["bytes_per_product"]
+        )
+        print(f"{sm:>4} MX GEMM, chosen configs, instructions issued per product: expand_bf16 / "
+              f"dot_scaled {comparison['expand_bf16_over_dot_scaled_issued']:.2f}x, expand_bf16 / bf16 "
+              f"{expand['issued_over_bf16_reference']:.2f}x, dot_scaled / bf16 "
+              f"{dot_scaled['issued_over_bf16_reference']:.2f}x; expand_bf16 wins: "
+              f"{comparison['expand_bf16_wins']}", flush=True)
+    result["gemm_comparison"] = comparison
     return result
 
 
@@ -201,11 +255,14 @@ def main() -> int:
         "targets": {},
     }
     print(_header())
+    if args.gemm_only:
+        return _update_gemm_rows(args, started)
     for sm in args.capabilities:
         target: dict[str, Any] = {}
         for head_dim in args.head_dims:
             target[f"head_dim_{head_dim}"] = attention_report(sm, head_dim, args.first_config)
-        target.update(other_kernels_report(sm, args.first_config))
+        target.update(quantize_report(sm, args.first_config))
+        target.update(gemm_report(sm, args.first_config))
         report["targets"][f"sm{sm}"] = target
     report["seconds"] = round(time.time() - started, 1)
     print(f"compiled in {report['seconds']} s")
@@ -213,6 +270,28 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")
+    return 0
+
+
+def _update_gemm_rows(args: argparse.Namespace, started: float) -> int:
+    """--gemm-only: the GEMM entries of each target, replaced in the results file `--out`
+    (the other kernels' entries kept as they are)."""
+    if args.out is None or not args.out.exists():
+        print("--gemm-only updates an existing results file: pass --out FILE", file=sys.stderr)
+        return 2
+    report = json.loads(args.out.read_text())
+    for sm in args.capabilities:
+        target = report["targets"].setdefault(f"sm{sm}", {})
+        for key in [k for k in target if k.startswith("mx_gemm_") or k == "gemm_comparison"]:
+            del target[key]
+        target.update(gemm_report(sm, args.first_config))
+    report["gemm_rows"] = {
+        "command": ["python", "benchmarks/kernel_static.py", *sys.argv[1:]],
+        "date": datetime.date.today().isoformat(),
+        "seconds": round(time.time() - started, 1),
+    }
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"GEMM rows compiled in {report['gemm_rows']['seconds']} s; updated {args.out}")
     return 0
 
 

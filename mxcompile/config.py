@@ -30,11 +30,20 @@ class AttentionMode(NamedEnum):
 
 
 class GemmKernel(NamedEnum):
-    """What runs an MX GEMM in a compiled CUDA graph. `TRITON`: the Triton MX GEMM kernel
-    (`tl.dot_scaled`: MX tensor cores on sm100+, emulated through bf16 by Triton below).
-    `DEQUANTIZED`: Inductor's GEMM (cuBLAS) of the operands dequantized to bf16 (fp32 for fp32
-    outputs), which is exact, so the products are the MX products. `AUTO`: `TRITON` where the GPU
-    has MX tensor cores, `DEQUANTIZED` elsewhere. CPU graphs always take the dequantized form."""
+    """What runs an MX GEMM in a compiled CUDA graph. `TRITON`: the Triton MX GEMM kernel, whose
+    main loop `triton_templates.resolve_gemm_path` picks per GPU: `tl.dot_scaled` on sm100+ (MX
+    tensor cores), on sm90 the FP8 tiles expanded exactly to bf16 for bf16 wgmma
+    ("expand_bf16", which beats Triton's own emulation of tl.dot_scaled there in the static
+    comparison). `DEQUANTIZED`: Inductor's GEMM (cuBLAS) of the operands dequantized to bf16
+    (fp32 for fp32 outputs), which is exact, so the products are the MX products. `AUTO`:
+    `TRITON` where the GPU has MX tensor cores, `DEQUANTIZED` elsewhere, sm90 included: compiled
+    for sm90 without a GPU, even the expand_bf16 loop issues 6.1x the instructions per product
+    of a plain bf16 `tl.dot` GEMM with the same tiles (`benchmarks/kernel_static.py`,
+    `gemm_comparison` in benchmarks/results/kernel_static.json, 2026-12-07), and cuBLAS on
+    exactly dequantized operands is a bf16 GEMM; on an H200 the Triton MX GEMM step ran 5.37x
+    bf16 against 1.27x dequantized (2026-12-04, docs/benchmarks.md). `benchmarks/gpu_session.sh`
+    times both paths against `torch.mm` to revisit this on a GPU. CPU graphs always take the
+    dequantized form."""
 
     AUTO = "auto"
     TRITON = "triton"

@@ -214,7 +214,7 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     from ..ops.mx_mm import triton_mx_mm_unsupported
     from ..ops.quantize import triton_quantize_unsupported
     from ..lowering import runs_triton_mx_gemm
-    from ..triton_templates import has_mx_tensor_cores, resolve_gemm_path
+    from ..triton_templates import device_capability, has_mx_tensor_cores, resolve_gemm_path
 
     if not _has_triton_kernels(device):
         reason = f"tensors on {device.type}: the Triton kernels run for CUDA tensors only"
@@ -224,10 +224,11 @@ def kernel_checks(device: torch.device, config: MXConfig) -> list[Check]:
     why = triton_quantize_unsupported(x, config.forward_elem, config.block_size)
     checks = [_kernel_check("MX quantize", "Triton quantize kernel", why)]
     why = triton_mx_mm_unsupported(x, x, config.block_size)
-    if resolve_gemm_path("auto", config.block_size):
-        gemm = "Triton MX GEMM with tl.dot_scaled" + ("" if has_mx_tensor_cores(device) else " (emulated through bf16 below sm100)")
-    else:
-        gemm = f"Triton MX GEMM, FP8 tl.dot per scale block (tl.dot_scaled needs block_size 32, not {config.block_size})"
+    gemm = {
+        "dot_scaled": "Triton MX GEMM with tl.dot_scaled" + ("" if has_mx_tensor_cores(device) else " (emulated through bf16 below sm100)"),
+        "expand_bf16": "Triton MX GEMM, FP8 tiles expanded to bf16 for bf16 tensor-core MMA (sm90)",
+        "fp8_per_block": f"Triton MX GEMM, FP8 tl.dot per scale block (tl.dot_scaled needs block_size 32, not {config.block_size})",
+    }[resolve_gemm_path("auto", config.block_size, device_capability(device))]
     if device.type == "cuda" and not runs_triton_mx_gemm(config.gemm_kernel, device):
         reason = ("no MX tensor cores below sm100, gemm_kernel='auto'"
                   if config.gemm_kernel is GemmKernel.AUTO else f"gemm_kernel={config.gemm_kernel.value!r}")
@@ -273,9 +274,9 @@ def plotting_check() -> Check:
 
 
 def all_checks() -> list[Check]:
-    device = _device()
     from .doctor_fp4 import fp4_ops_check, fp4_tensor_core_check
 
+    device = _device()
     cuda = cuda_check()
     gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if cuda.passed else (None, None)
     return [

@@ -136,7 +136,7 @@ def mx_mm_with_triton(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The Triton MX GEMM on the op's operands: a (..., M, K) flattened to 2-D, b (K, N)."""
-    from ..triton_templates import _interpreting, _operand_elem, resolve_gemm_path
+    from ..triton_templates import _interpreting, _operand_elem, device_capability, resolve_gemm_path
     from ..triton_templates.mx_gemm import MXMMKey, mx_mm_launch
 
     lead = a.shape[:-1]
@@ -144,7 +144,7 @@ def mx_mm_with_triton(
     c, _, _ = mx_mm_launch(
         a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, a_scale.shape[-1]), b, b_scale,
         block_size=block_size, out_dtype=out_dtype, key=key,
-        use_dot_scaled=resolve_gemm_path("auto", block_size), interpret=_interpreting(),
+        path=resolve_gemm_path("auto", block_size, device_capability(a.device)), interpret=_interpreting(),
     )  # fmt: skip
     if c is None:
         raise RuntimeError("mx_mm_launch returned no output although store_c is set")

@@ -246,27 +246,49 @@ def _scale_u8(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def resolve_gemm_path(path: str, block_size: int) -> bool:
-    """True for tl.dot_scaled, False for the Hopper path (FP8 tl.dot per scale block).
+# The GPU generation on which "auto" takes the expand_bf16 main loop: Hopper (sm90). See
+# `resolve_gemm_path` for the comparison that decided it.
+EXPAND_BF16_CAPABILITY = (9, 0)
 
-    "auto" takes tl.dot_scaled whenever the block is its MX group of 32, Hopper included, where
-    Triton emulates it: on an H200 (2026-12-04, `benchmarks/gpu_kernels.py`) it ran at 193-194
-    TFLOP/s against the Hopper path's 120 at M=N=K=4096 and 8192. The Hopper path serves the
-    other block sizes."""
-    if path == "dot_scaled":
+
+def resolve_gemm_path(path: str, block_size: int, capability: tuple[int, int] | None = None) -> str:
+    """The MX GEMM main loop (`mx_gemm.GEMM_PATHS`) for `path` ("auto" or one of them) on a GPU
+    of compute `capability` (None: the interpreter, or no GPU).
+
+    "auto": "fp8_per_block" for blocks other than tl.dot_scaled's MX group of 32; else
+    "expand_bf16" on sm90 and "dot_scaled" elsewhere (sm100+: block-scaled tensor-core MMA).
+    The sm90 rule is a static comparison, decided without a GPU (`benchmarks/kernel_static.py`,
+    the `gemm_sm90` rows of benchmarks/results/kernel_static.json, 2026-12-07): compiled for
+    sm90 with the same autotune configs, the expand_bf16 loop's chosen config issues fewer
+    instructions per product than dot_scaled's (Triton's own upcast of the operands to bf16)
+    and spills nothing; both load the same FP8 bytes. Before it, "auto" took tl.dot_scaled on
+    sm90 too: on an H200 (2026-12-04) it ran at 193-194 TFLOP/s against fp8_per_block's 120."""
+    if path == "auto":
         if block_size != 32:
-            raise ValueError("path='dot_scaled' needs block_size=32 (tl.dot_scaled's MX group)")
-        return True
-    if path == "hopper":
-        return False
-    if path != "auto":
-        raise ValueError(f"path={path!r} is not accepted; use 'auto', 'dot_scaled' or 'hopper'")
-    return block_size == 32
+            return "fp8_per_block"
+        if capability is not None and capability[0] == EXPAND_BF16_CAPABILITY[0]:
+            return "expand_bf16"
+        return "dot_scaled"
+    from .mx_gemm import GEMM_PATHS
+
+    if path not in GEMM_PATHS:
+        raise ValueError(f"path={path!r} is not accepted; use 'auto' or one of {list(GEMM_PATHS)}")
+    if path == "dot_scaled" and block_size != 32:
+        raise ValueError("path='dot_scaled' needs block_size=32 (tl.dot_scaled's MX group)")
+    return path
 
 
-def check_tma(a: torch.Tensor, b: torch.Tensor, use_dot_scaled: bool) -> None:
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA `device` with a GPU behind it, else None."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def check_tma(a: torch.Tensor, b: torch.Tensor, path: str) -> None:
     """Raise ValueError naming what keeps the MX GEMM from reading these FP8 operands through
-    TMA descriptors (`mx_gemm`'s USE_TMA): the Hopper path, a layout a descriptor cannot
+    TMA descriptors (`mx_gemm`'s USE_TMA): the fp8_per_block path, a layout a descriptor cannot
     describe (`mx_gemm.tma_unsupported`), a GPU before sm90. The interpreter runs it.
 
     Opt-in (`mx_mm_triton(tma=True)`), not the default on sm100 yet: it is not timed on a GPU,
@@ -274,9 +296,9 @@ def check_tma(a: torch.Tensor, b: torch.Tensor, use_dot_scaled: bool) -> None:
     loop copies the operand tiles with `cp.async.bulk.tensor` but, in 5 of the 8 autotune
     configs, loads the scales synchronously (a tile's scale rows are 2-4 bytes, under
     `cp.async`'s and TMA's minimums), which may stall it. `gpu_kernels.py` times both."""
-    from .mx_gemm import tma_unsupported
+    from .mx_gemm import TMA_PATHS, tma_unsupported
 
-    reason = None if use_dot_scaled else "TMA serves the dot_scaled path only (path='hopper' loads per scale block)"
+    reason = None if path in TMA_PATHS else f"TMA serves the {', '.join(TMA_PATHS)} path only (path={path!r} loads per scale block)"
     reason = reason or tma_unsupported(a, b)
     if reason is None and a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (9, 0):
         reason = f"TMA needs sm90+, this GPU is sm{''.join(map(str, torch.cuda.get_device_capability(a.device)))}"
@@ -313,8 +335,8 @@ def mx_mm_triton(
 
     Returns C (M, N) in out_dtype; with `quantize_output="e4m3"|"e5m2"` returns the MX copy of C
     along its last axis, (data, scales (M, N/bs)), and with `keep_output=True` (C, data, scales).
-    `path`: "auto" (dot_scaled for block_size 32, else "hopper"; see `resolve_gemm_path`),
-    "dot_scaled", "hopper". `tma=True`: read the FP8 operands through TMA descriptors (see
+    `path`: "auto" (see `resolve_gemm_path`), "dot_scaled", "expand_bf16", "fp8_per_block"
+    (`mx_gemm.GEMM_PATHS`). `tma=True`: read the FP8 operands through TMA descriptors (see
     `check_tma`). `tiles` ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}) overrides autotuning.
     """
     from .mx_gemm import MXMMKey, check_epilogue, mx_mm_launch
@@ -361,9 +383,9 @@ def mx_mm_triton(
             raise ValueError(f"quantize_output needs N={n} to be a multiple of block_size")
     scale_mode_named(output_scale_mode, argument="output_scale_mode")
     _require(a.device, block_size=block_size)
-    use_dot_scaled = resolve_gemm_path(path, block_size)
+    main_loop = resolve_gemm_path(path, block_size, device_capability(a.device))
     if tma:
-        check_tma(a, b, use_dot_scaled)
+        check_tma(a, b, main_loop)
     _check_tiles(
         tiles,
         {
@@ -375,7 +397,7 @@ def mx_mm_triton(
     key = MXMMKey(a_elem, b_elem, ops, out_elem, output_scale_mode, cast)
     c, q_data, q_scale = mx_mm_launch(
         a, a_scale, b, b_scale, block_size=block_size, out_dtype=out_dtype, key=key,
-        use_dot_scaled=use_dot_scaled, use_tma=tma, store_c=quantize_output is None or keep_output,
+        path=main_loop, use_tma=tma, store_c=quantize_output is None or keep_output,
         quantize_out=quantize_output is not None, bias=bias, mul=mul, residual=residual,
         tiles=tiles, interpret=_interpreting(),
     )  # fmt: skip

@@ -65,7 +65,10 @@ def mx_mm_autotune_configs(tma: bool = False) -> list[triton.Config]:
     """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list); for the TMA
     variant each with the pre-hook that sizes its boxes (`set_tma_boxes`). Only there: Triton
     does not cache the timings of configs with a pre-hook on disk (it cannot serialize them),
-    so the TMA variant is timed again in every process."""
+    so the TMA variant is timed again in every process. Compiled for sm100 without a GPU, the
+    configs with BLOCK_M 128 or 256 lower tl.dot_scaled to the block-scaled MMA
+    (`tcgen05.mma ... kind::mxf8f6f4.block_scale.block32`); the two with BLOCK_M 64 upcast the
+    operands to bf16 (`kind::f16`) as on sm90 (seen 2026-12-07, Triton 3.9)."""
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,

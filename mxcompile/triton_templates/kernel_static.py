@@ -222,13 +222,14 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
     tensors at a training-sized shape (sizes divisible by 16, as real launches are): the MX
     attention forward, dK/dV and dQ kernels and the bf16 flash-attention ones (bf16 inputs to
     the backward, as training gives them), the quantize kernel (bf16, both axes from one read)
-    and the MX GEMM (its dot_scaled and per-block "hopper" paths)."""
+    the MX GEMM (its three main loops, `mx_gemm.GEMM_PATHS`) and the plain bf16 GEMM reference
+    (`mx_gemm.bf16_mm_launch`)."""
     from ..numerics.formats import DEFAULT_BLOCK_SIZE as block
     from ..numerics.formats import E4M3, ScaleMode
     from .attention import AttentionKey, attention_launch
     from .attention_backward import AttentionBackwardKey, attention_backward_launch, empty_operands
     from .flash_attention import flash_attention_backward_launch, flash_attention_launch
-    from .mx_gemm import MXMMKey, mx_mm_launch
+    from .mx_gemm import MXMMKey, bf16_mm_launch, mx_mm_launch
     from .quantize import quantize_launch
 
     meta = torch.device("meta")
@@ -257,6 +258,8 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
                                  block_size=block, interpret=False)  # fmt: skip
     gemm = functools.partial(mx_mm_launch, a, sa, a, sb, block_size=block, out_dtype=bf16,
                              key=MXMMKey(), interpret=False)  # fmt: skip
+    g16 = empty(gemm_size, gemm_size, dtype=bf16)
+    bf16_gemm = functools.partial(bf16_mm_launch, g16, g16, interpret=False)
 
     def call(launch: Callable[..., object], **fixed: Any) -> Launch:
         return lambda tiles, wrap: launch(tiles=tiles, wrap=wrap, **fixed)
@@ -269,8 +272,10 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
         "bf16_attention_dkdv": ("flash_attention_dkdv_kernel", call(bf16_backward)),
         "bf16_attention_dq": ("flash_attention_dq_kernel", call(bf16_backward)),
         "quantize": ("mx_quantize_kernel", call(quantize)),
-        "mx_gemm_dot_scaled": ("mx_mm_kernel", call(gemm, use_dot_scaled=True)),
-        "mx_gemm_hopper": ("mx_mm_kernel", call(gemm, use_dot_scaled=False)),
+        "mx_gemm_dot_scaled": ("mx_mm_kernel", call(gemm, path="dot_scaled")),
+        "mx_gemm_expand_bf16": ("mx_mm_kernel", call(gemm, path="expand_bf16")),
+        "mx_gemm_fp8_per_block": ("mx_mm_kernel", call(gemm, path="fp8_per_block")),
+        "bf16_gemm": ("bf16_mm_kernel", call(bf16_gemm)),
     }
 
 

@@ -1,16 +1,22 @@
 """MX GEMM kernel with fused epilogues: C = epilogue(A @ B) where A (M, K) is MX-quantized along
 K (scales (M, K / SCALE_BLOCK)) and B (K, N) is MX-quantized along K (scales (K / SCALE_BLOCK, N)).
 
-Two main-loop paths, selected by the `USE_DOT_SCALED` constexpr:
-  * `tl.dot_scaled`: native block-scaled MMA on sm100+, emulated by Triton elsewhere (operands
-    are upcast to bf16 with their scales applied). Needs SCALE_BLOCK == 32.
-  * "Hopper" path: one FP8 `tl.dot` per SCALE_BLOCK-wide slice of K, accumulated in fp32, with
-    both scales (a row vector and a column vector) applied to that slice's fp32 partial product.
+Three main-loop paths (`GEMM_PATHS`), selected by the `MAIN_LOOP` constexpr:
+  * "dot_scaled": `tl.dot_scaled`, native block-scaled MMA on sm100+ (`tcgen05.mma ...
+    block_scale`); below sm100 Triton emulates it (upcasts the operands to bf16 in the main
+    loop). Needs SCALE_BLOCK == 32.
+  * "expand_bf16", for Hopper: the FP8 tiles, loaded into shared memory by the pipelined K loop
+    (`cp.async`), are expanded exactly to bf16 one scale block of K at a time (each element
+    times 2**(scale - 127), `expand_bf16`) and multiplied by a bf16 `tl.dot` (`wgmma` on sm90)
+    accumulating in fp32. Per scale block rather than per K tile: compiled for sm90, a whole
+    tile's expansion holds one scale per element in registers and spills at 128x128 tiles.
+  * "fp8_per_block": one FP8 `tl.dot` per SCALE_BLOCK-wide slice of K, accumulated in fp32,
+    with both scales (a row vector and a column vector) applied to that slice's fp32 product.
 
 The kernel is `kernels/mx_gemm.py`; this module holds its launcher and reference.
 `tl.constexpr`s: the operand element formats (A_ELEM, B_ELEM), the epilogue (EPILOGUE, the ops
 in order), the element format / scale mode / cast of the optional MX-quantized output
-(OUT_ELEM, OUT_SCALE_MODE, CAST), USE_DOT_SCALED, STORE_C, QUANTIZE_OUT, SCALE_BLOCK, tiles.
+(OUT_ELEM, OUT_SCALE_MODE, CAST), MAIN_LOOP, USE_TMA, STORE_C, QUANTIZE_OUT, SCALE_BLOCK, tiles.
 
 Epilogue ops (applied in the order given, in fp32, before the cast to the output dtype):
   bias       acc + bias[n]                     (bias: (N,))
@@ -34,7 +40,9 @@ Reference: `mx_mm_reference` (numerics-core dequantize, fp32 matmul, torch epilo
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +55,10 @@ from .common import check_cast
 from .configs import autotuned, interpreter_mx_mm_config, mx_mm_autotune_configs, tma_boxes
 from .loader import kernel_module
 
+# The main-loop paths (the kernel's MAIN_LOOP values); see the module docstring.
+GEMM_PATHS: tuple[str, ...] = ("dot_scaled", "expand_bf16", "fp8_per_block")
+# The paths that can read their operand tiles through TMA descriptors (whole K tiles).
+TMA_PATHS: tuple[str, ...] = ("dot_scaled",)
 EPILOGUE_OPS: tuple[str, ...] = ("bias", "gelu_tanh", "gelu_erf", "silu", "mul", "residual")
 ACTIVATIONS = ("gelu_tanh", "gelu_erf", "silu")
 # A TMA descriptor's base address and every stride but the innermost (which must be 1) are
@@ -142,9 +154,41 @@ def _autotuned(block_size: int, tma: bool) -> Any:
     if not configs:
         raise ValueError(f"no MX GEMM tile config fits block_size={block_size}")
     kernel = kernel_module("mx_gemm", interpret=False).mx_mm_kernel
-    specialisation = [*MXMMKey().meta(), "USE_DOT_SCALED", "USE_TMA", "B_DESC_TRANSPOSED", "STORE_C",
+    specialisation = [*MXMMKey().meta(), "MAIN_LOOP", "USE_TMA", "B_DESC_TRANSPOSED", "STORE_C",
                       "QUANTIZE_OUT"]
     return autotuned(kernel, configs, ["M", "N", "K", *specialisation])
+
+
+@contextlib.contextmanager
+def interpreter_bf16_dot() -> Iterator[None]:
+    """Within it, the Triton interpreter's `tl.dot` multiplies bf16 operands as their values.
+
+    Triton 3.9's interpreter keeps bf16 tensors as their uint16 bit patterns and its dot calls
+    np.matmul on them as they are, so a bf16 `tl.dot` computes products of integers (seen on
+    this machine: a 16x16 product off by 3e10). Here each bf16 operand is widened to its exact
+    fp32 value (its bits shifted up 16) before the matmul, which accumulates in fp32 as a bf16
+    tensor-core MMA does. Only the expand_bf16 main loop has bf16 dots; the launcher applies
+    this around its interpreted launches."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    original = InterpreterBuilder.create_dot
+
+    def widened(handle: TensorHandle) -> TensorHandle:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << np.uint32(16)
+        return TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self: Any, a: TensorHandle, b: TensorHandle, d: TensorHandle, *args: Any) -> TensorHandle:
+        return original(self, widened(a), widened(b), d, *args)
+
+    InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = original
 
 
 def mx_mm_launch(
@@ -156,7 +200,7 @@ def mx_mm_launch(
     block_size: int,
     out_dtype: torch.dtype,
     key: MXMMKey,
-    use_dot_scaled: bool,
+    path: str,
     use_tma: bool = False,
     store_c: bool = True,
     quantize_out: bool = False,
@@ -167,12 +211,15 @@ def mx_mm_launch(
     interpret: bool,
     wrap: Any = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Thin launcher: allocate outputs, pick the kernel, launch. No validation (see __init__).
+    """Thin launcher: allocate outputs, pick the kernel, launch. No validation (see __init__)
+    beyond `path`, one of GEMM_PATHS.
 
     Returns (c or None, quantized data or None, quantized scales or None).
     """
     import triton
 
+    if path not in GEMM_PATHS:
+        raise ValueError(f"path={path!r}: the MX GEMM's main loops are {list(GEMM_PATHS)}")
     m, k = a.shape
     n = b.shape[1]
     device = a.device
@@ -210,7 +257,7 @@ def mx_mm_launch(
     )  # fmt: skip
     meta = {
         **key.meta(),
-        "USE_DOT_SCALED": use_dot_scaled,
+        "MAIN_LOOP": path,
         "USE_TMA": use_tma,
         "B_DESC_TRANSPOSED": b_transposed,
         "STORE_C": store_c,
@@ -230,8 +277,40 @@ def mx_mm_launch(
         meta.update(fixed_tiles)
     if wrap is not None:
         kernel = wrap(kernel)
-    kernel[grid](*args, **meta)
+    with interpreter_bf16_dot() if interpret and path == "expand_bf16" else contextlib.nullcontext():
+        kernel[grid](*args, **meta)
     return c, q_data, q_scale
+
+
+def bf16_mm_launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    tiles: dict[str, int] | None = None,
+    interpret: bool,
+    wrap: Any = None,
+) -> torch.Tensor:
+    """C = A @ B (bf16 out) by `bf16_mm_kernel`, the plain bf16 GEMM the MX GEMM's compiled code
+    is compared with: A (M, K), B (K, N) bf16. Not autotuned: `tiles` as given, else the
+    interpreter's (`interpreter_mx_mm_config`)."""
+    import triton
+
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"bf16_mm_launch needs bf16 A (M, K) and B (K, N), got {a.dtype} {tuple(a.shape)}, "
+                         f"{b.dtype} {tuple(b.shape)}")
+    if tiles is None and not interpret:
+        raise ValueError("the bf16 reference GEMM is not autotuned: pass tiles={'BLOCK_M', 'BLOCK_N', 'BLOCK_K'}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    meta = {"GROUP_M": 8, **(tiles or interpreter_mx_mm_config())}
+    kernel = kernel_module("mx_gemm", interpret=interpret).bf16_mm_kernel
+    if wrap is not None:
+        kernel = wrap(kernel)
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    with interpreter_bf16_dot() if interpret else contextlib.nullcontext():
+        kernel[grid](a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(), **meta)
+    return c
 
 
 def apply_epilogue_reference(

@@ -87,8 +87,8 @@ def test_quantize_compiles_sm90(cast: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability,dot_scaled", [(90, False), (90, True), (100, True)])
-def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
+@pytest.mark.parametrize("capability,path", [(90, "fp8_per_block"), (90, "dot_scaled"), (100, "dot_scaled")])
+def test_gemm_compiles(capability: int, path: str) -> None:
     m = n = k = 4096
     a, b = _empty(m, k, dtype=torch.float8_e4m3fn), _empty(k, n, dtype=torch.float8_e4m3fn)
     sa, sb = _empty(m, k // 32, dtype=torch.uint8), _empty(k // 32, n, dtype=torch.uint8)
@@ -103,11 +103,11 @@ def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
             block_size=32,
             out_dtype=torch.bfloat16,
             key=key,
-            use_dot_scaled=dot_scaled,
+            path=path,
             quantize_out=True,
             bias=bias,
             mul=mul,
-            tiles={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8},
+            tiles={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8},
             interpret=False,
             wrap=wrap,
         ),  # fmt: skip
@@ -117,10 +117,40 @@ def test_gemm_compiles(capability: int, dot_scaled: bool) -> None:
     if capability == 90:
         assert "wgmma" in ptx  # Hopper tensor-core MMA, for both paths
     else:
-        assert "tcgen05.mma" in ptx  # Blackwell MMA: dot_scaled is native there
+        # Blackwell's block-scaled MMA: dot_scaled is native there, with its E8M0 scales (at
+        # BLOCK_M 128 or more: with BLOCK_M 64 Triton upcasts to bf16, `tcgen05.mma ... kind::f16`).
+        assert "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32" in ptx
     # The K loop is software-pipelined: async copies into 2 or 3 (num_stages) buffers.
     report = pipeline_report(kernel)
     assert report.pipelined and report.buffers >= 2 and report.async_copies > 0, report
+
+
+@pytest.mark.slow  # ~10 s: the chosen config of the static comparison
+def test_expand_bf16_gemm_sm90_is_pipelined_bf16_wgmma_without_spills() -> None:
+    """The sm90 MX GEMM path, compiled with the config the static report chooses for it
+    (benchmarks/results/kernel_static.json): every tensor-core instruction of its K loop is a
+    bf16 wgmma with fp32 accumulation (SASS HGMMA ... F32.BF16), the loop copies the FP8 tiles
+    asynchronously into multi-buffered shared memory, and no register spills."""
+    from mxcompile.triton_templates.kernel_static import class_counts, main_loop, sass
+
+    m = n = k = 4096
+    a, b = _empty(m, k, dtype=torch.float8_e4m3fn), _empty(k, n, dtype=torch.float8_e4m3fn)
+    sa, sb = _empty(m, k // 32, dtype=torch.uint8), _empty(k // 32, n, dtype=torch.uint8)
+    (kernel,) = compile_launch(
+        lambda wrap: mx_mm_launch(
+            a, sa, b, sb, block_size=32, out_dtype=torch.bfloat16, key=MXMMKey(), path="expand_bf16",
+            tiles={"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, interpret=False,
+            wrap=wrap,
+        ),  # fmt: skip
+        90, num_warps=8, num_stages=3,
+    )
+    loop = main_loop(sass(kernel))
+    mma = [op for op in loop if op.split(".", 1)[0].endswith("MMA")]
+    assert mma and all(op.startswith("HGMMA.") and op.endswith(".F32.BF16") for op in mma), sorted(set(mma))
+    assert class_counts(loop)["local"] == 0
+    report = pipeline_report(kernel)
+    assert report.pipelined and report.buffers >= 2 and report.async_copies > 0, report
+    assert report.stack_bytes == 0, report
 
 
 @pytest.mark.slow
@@ -134,7 +164,7 @@ def test_gemm_with_tma_compiles_sm100() -> None:
     (kernel,) = compile_launch(
         lambda wrap: mx_mm_launch(
             a, sa, b, sb, block_size=32, out_dtype=torch.bfloat16, key=MXMMKey(),
-            use_dot_scaled=True, use_tma=True,
+            path="dot_scaled", use_tma=True,
             tiles={"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8},
             interpret=False, wrap=wrap,
         ),  # fmt: skip

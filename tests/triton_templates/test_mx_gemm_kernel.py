@@ -1,5 +1,10 @@
-"""The MX GEMM kernel (both main-loop paths, fused epilogues, MX-quantized output) against the
-torch reference: numerics-core dequantize, fp32 matmul, torch epilogue.
+"""The MX GEMM kernel (its three main-loop paths, fused epilogues, MX-quantized output) against
+the torch reference: numerics-core dequantize, fp32 matmul, torch epilogue.
+
+Bit-identical: on operands whose products and partial sums are all exact in fp32 (small
+integer elements, scales within a few octaves), every summation order gives the same bits, so
+each path must equal the reference exactly; a wrong scale index, a bf16 rounding of the
+expanded operands or a bf16 accumulation shows as a mismatch.
 
 Tolerances. fp32 output: max|c - ref| <= 1e-5 * max|ref| (only the fp32 summation order and
 the epilogue's exp/erf differ; measured <= 9.6e-8, and 91-94% of elements bit-equal).
@@ -14,11 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxcompile.numerics import E4M3, E5M2, ScaleMode, elem_format, quantize_along
+from mxcompile.numerics import E4M3, E5M2, ScaleMode, dequantize_along, elem_format, quantize_along
 from mxcompile.triton_templates import mx_mm_triton
 from mxcompile.triton_templates.mx_gemm import mx_mm_reference
 
 SMALL_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
+PATHS = ["dot_scaled", "expand_bf16", "fp8_per_block"]
 
 
 def _operands(
@@ -54,7 +60,7 @@ def _check(c: torch.Tensor, ref32: torch.Tensor, out_dtype: torch.dtype) -> floa
     return err
 
 
-@pytest.mark.parametrize("path", ["dot_scaled", "hopper"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_plain_gemm_64x64x128(path: str, out_dtype: torch.dtype) -> None:
     a, sa, b, sb, _ = _operands(64, 64, 128)
@@ -63,7 +69,42 @@ def test_plain_gemm_64x64x128(path: str, out_dtype: torch.dtype) -> None:
     _check(c, mx_mm_reference(a, sa, b, sb, 32, torch.float32), out_dtype)
 
 
-@pytest.mark.parametrize("path", ["dot_scaled", "hopper"])
+def _exact_operands(m: int, n: int, k: int, seed: int):
+    """FP8 operands whose every product and partial sum is exact in fp32: elements integers in
+    [-4, 4] (exact in E4M3), scale bytes 127 +- 2 varying along rows of A, columns of B and
+    along K. Every product is a multiple of 2**-4 of magnitude <= 2**8, so sums over K <= 2**11
+    stay below 2**24 units of 2**-4."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-4, 5, (m, k), generator=g).to(torch.float8_e4m3fn)
+    b = torch.randint(-4, 5, (k, n), generator=g).to(torch.float8_e4m3fn)
+    sa = torch.randint(125, 130, (m, k // 32), generator=g, dtype=torch.uint8)
+    sb = torch.randint(125, 130, (k // 32, n), generator=g, dtype=torch.uint8)
+    return a, sa, b, sb
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(40, 72, 96), (64, 64, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_bit_identical_to_the_reference(path: str, shape: tuple[int, int, int]) -> None:
+    """M, N not multiples of the 32x32 tile and K=96 not a multiple of BLOCK_K=64 (partial K
+    tiles, whose missing blocks read as 0 with scale 1), and whole tiles."""
+    a, sa, b, sb = _exact_operands(*shape, seed=sum(shape))
+    c = mx_mm_triton(a, sa, b, sb, 32, torch.float32, path=path, tiles=SMALL_TILES)
+    ref = mx_mm_reference(a, sa, b, sb, 32, torch.float32)
+    assert torch.equal(c, ref)
+
+
+def test_the_exact_operands_tell_fp32_from_bf16_accumulation() -> None:
+    """The bit-identity test's data can fail: the same products summed in bf16 differ."""
+    a, sa, b, sb = _exact_operands(64, 64, 128, seed=1)
+    a_hp, b_hp = dequantize_along(a, sa, 1, 32, torch.float32), dequantize_along(b, sb, 0, 32, torch.float32)
+    bf16_sums = torch.zeros(64, 64, dtype=torch.bfloat16)
+    for i in range(128):
+        bf16_sums += a_hp[:, i : i + 1] * b_hp[i : i + 1, :]
+    ref = mx_mm_reference(a, sa, b, sb, 32, torch.float32)
+    assert not torch.equal(bf16_sums.float(), ref)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_ragged_m_n_k_tiles(path: str) -> None:
     # M, N not multiples of the 32x32 tile, K=96 not a multiple of BLOCK_K=64.
     a, sa, b, sb, _ = _operands(40, 72, 96)
@@ -108,8 +149,9 @@ def test_only_the_tma_variant_autotunes_with_a_pre_hook(b_transposed: bool) -> N
 
 def test_tma_refusals_name_the_cause() -> None:
     a, sa, b, sb, _ = _operands(32, 72, 64)
-    with pytest.raises(ValueError, match="dot_scaled path only"):
-        mx_mm_triton(a, sa, b, sb, path="hopper", tma=True)
+    for path in ("expand_bf16", "fp8_per_block"):
+        with pytest.raises(ValueError, match="dot_scaled path only"):
+            mx_mm_triton(a, sa, b, sb, path=path, tma=True)
     with pytest.raises(ValueError, match="72 elements.*16 bytes"):  # B's rows: 72 bytes apart
         mx_mm_triton(a, sa, b, sb, tma=True)
 
@@ -139,11 +181,12 @@ def test_epilogues(epilogue: tuple[str, ...]) -> None:
     _check(c, mx_mm_reference(a, sa, b, sb, 32, torch.float32, epilogue, **extra), torch.float32)
 
 
-def test_epilogue_on_hopper_path_bf16_out() -> None:
+@pytest.mark.parametrize("path", ["expand_bf16", "fp8_per_block"])
+def test_epilogue_on_per_block_paths_bf16_out(path: str) -> None:
     a, sa, b, sb, g = _operands(64, 64, 128, seed=4)
     bias, res = torch.randn(64, generator=g), torch.randn(64, 64, generator=g)
     ops = ("bias", "gelu_erf", "residual")
-    c = mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, ops, bias=bias, residual=res, path="hopper")
+    c = mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, ops, bias=bias, residual=res, path=path)
     _check(
         c,
         mx_mm_reference(a, sa, b, sb, 32, torch.float32, ops, bias=bias, residual=res),
@@ -177,7 +220,8 @@ def test_quantized_output_is_bit_exact(out_elem: str) -> None:
     )
 
 
-def test_mixed_formats_block_64_and_nan_blocks() -> None:
+@pytest.mark.parametrize("path", ["expand_bf16", "fp8_per_block"])
+def test_mixed_formats_block_64_and_nan_blocks(path: str) -> None:
     a, sa, b, sb, _ = _operands(32, 64, 128, a_elem="e4m3", b_elem="e5m2", block=64)
     sa[3, 1] = 0xFF  # a NaN block of A: row 3 of C is NaN
     sb[0, 5] = 0xFF  # a NaN block of B: column 5 of C is NaN
@@ -188,7 +232,7 @@ def test_mixed_formats_block_64_and_nan_blocks() -> None:
         sb,
         64,
         torch.float32,
-        path="hopper",
+        path=path,
         tiles={"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1},
     )
     ref = mx_mm_reference(a, sa, b, sb, 64, torch.float32)
@@ -213,3 +257,33 @@ def test_clear_errors() -> None:
         mx_mm_triton(a64, sa64, b64, sb64, 64, path="dot_scaled")
     with pytest.raises(ValueError, match="multiple of block_size"):
         mx_mm_triton(*_operands(32, 40, 64)[:4], quantize_output="e4m3")
+
+
+def test_auto_path_rule() -> None:
+    """"auto": dot_scaled for MX's 32-element blocks (sm100's block-scaled MMA, and the
+    interpreter), expand_bf16 on sm90 (the static comparison: see resolve_gemm_path), the FP8
+    per-block loop for other block sizes; explicit paths as given."""
+    from mxcompile.triton_templates import resolve_gemm_path
+
+    assert resolve_gemm_path("auto", 32, (9, 0)) == "expand_bf16"
+    assert resolve_gemm_path("auto", 32, (10, 0)) == "dot_scaled"
+    assert resolve_gemm_path("auto", 32, None) == "dot_scaled"
+    assert resolve_gemm_path("auto", 64, (9, 0)) == "fp8_per_block"
+    assert resolve_gemm_path("expand_bf16", 64, (10, 0)) == "expand_bf16"
+    with pytest.raises(ValueError, match="block_size=32"):
+        resolve_gemm_path("dot_scaled", 64)
+    with pytest.raises(ValueError, match="'hopper' is not accepted"):
+        resolve_gemm_path("hopper", 32)
+
+
+def test_the_bf16_reference_gemm_is_exact() -> None:
+    """The plain bf16 GEMM of the static comparison, under the interpreter (whose bf16 tl.dot
+    `interpreter_bf16_dot` corrects), on values whose sums are exact in bf16 (the interpreter
+    truncates fp32 -> bf16 where a GPU rounds); ragged tiles."""
+    from mxcompile.triton_templates.mx_gemm import bf16_mm_launch
+
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(-1, 2, (40, 96), generator=g).to(torch.bfloat16)
+    b = torch.randint(-1, 2, (96, 72), generator=g).to(torch.bfloat16)
+    c = bf16_mm_launch(a, b, tiles=SMALL_TILES, interpret=True)
+    assert torch.equal(c, (a.float() @ b.float()).to(torch.bfloat16))

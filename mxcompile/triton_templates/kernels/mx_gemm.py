@@ -61,6 +61,22 @@ def _apply_epilogue_op(
 
 
 @triton.jit
+def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of C for this program: the 1-D program id walks GROUP_M tile
+    rows column by column, so that consecutive programs share A and B tiles in L2 (the Triton
+    matmul tutorial's ordering)."""
+    pid = tl.program_id(axis=0)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = (first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group).to(tl.int64)
+    pid_n = ((pid % (GROUP_M * tiles_n)) // rows_in_group).to(tl.int64)
+    return pid_m, pid_n
+
+
+@triton.jit
 def _operand_tiles(
     a_ptr, b_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K,
     stride_am, stride_ak, stride_bk, stride_bn,
@@ -77,6 +93,16 @@ def _operand_tiles(
         mask=mask_k[:, None] & mask_n[None, :], other=0.0,
     )
     return a, b
+
+
+@triton.jit
+def expand_bf16(data, scale):
+    """The exact bf16 values of FP8 `data` times fp32 powers of two `scale` (broadcast against
+    it): an FP8 value is a bf16, and so is its product with a power of two, unless the
+    product's last bit falls below bf16's smallest subnormal 2**-133 (scale bytes below 3 for
+    e4m3, below 10 for e5m2) or it overflows, as the fp32 product would. Formed in fp32 and
+    cast: the Triton 3.9 interpreter multiplies bf16 values as their raw bits."""
+    return (data.to(tl.float32) * scale).to(tl.bfloat16)
 
 
 @triton.jit
@@ -103,7 +129,9 @@ def mx_mm_kernel(
     OUT_ELEM: tl.constexpr,  # format, scale mode and cast of the MX-quantized output
     OUT_SCALE_MODE: tl.constexpr,
     CAST: tl.constexpr,
-    USE_DOT_SCALED: tl.constexpr,  # True: tl.dot_scaled; False: FP8 tl.dot per scale block
+    # "dot_scaled": tl.dot_scaled per K tile; per scale block of K, "expand_bf16": the FP8 tiles
+    # expanded exactly to bf16, one bf16 tl.dot; "fp8_per_block": one FP8 tl.dot, scaled in fp32
+    MAIN_LOOP: tl.constexpr,
     USE_TMA: tl.constexpr,  # dot_scaled path: operand tiles through a_desc / b_desc (TMA)
     B_DESC_TRANSPOSED: tl.constexpr,
     STORE_C: tl.constexpr,  # store C in c_ptr's dtype
@@ -114,16 +142,8 @@ def mx_mm_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of SCALE_BLOCK
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Phase 1: map the 1-D program id to a C tile, walking GROUP_M tile rows column by column
-    # so that consecutive programs share A and B tiles in L2 (the matmul tutorial's ordering).
-    pid = tl.program_id(axis=0)
-    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = (first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group).to(tl.int64)
-    pid_n = ((pid % (GROUP_M * tiles_n)) // rows_in_group).to(tl.int64)
+    # Phase 1: this program's C tile.
+    pid_m, pid_n = _program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -134,7 +154,7 @@ def mx_mm_kernel(
     # lanes are whole scale blocks: data 0, scale byte E8M0_ONE (1.0), contributing exactly 0.
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if USE_DOT_SCALED:
+        if MAIN_LOOP == "dot_scaled":
             if USE_TMA:
                 # Whole tiles copied by the tensor memory accelerator; elements outside the
                 # operand read as 0, as the masked loads below give them.
@@ -161,6 +181,10 @@ def mx_mm_kernel(
             )
             acc = tl.dot_scaled(a, a_scale, A_ELEM, b, b_scale, B_ELEM, acc)
         else:
+            tl.static_assert(MAIN_LOOP == "expand_bf16" or MAIN_LOOP == "fp8_per_block",
+                             "MAIN_LOOP: dot_scaled, expand_bf16 or fp8_per_block")
+            # One scale block of K at a time: A's scales are a column vector over its rows, B's
+            # a row vector over its columns.
             for kk in tl.static_range(0, BLOCK_K, SCALE_BLOCK):
                 a, b = _operand_tiles(
                     a_ptr, b_ptr, offs_m, offs_n, k0 + kk + tl.arange(0, SCALE_BLOCK), mask_m, mask_n, K,
@@ -178,8 +202,15 @@ def mx_mm_kernel(
                     b_scale_ptr + kb_n * stride_bsk + offs_n * stride_bsn,
                     mask=mask_n & (kb_n < k_blocks), other=E8M0_ONE,
                 ))
-                partial = tl.dot(a, b, out_dtype=tl.float32)
-                acc += (partial * a_scale[:, None]) * b_scale[None, :]
+                if MAIN_LOOP == "expand_bf16":
+                    # Hopper has no MX tensor cores: the block's exact bf16 values, multiplied
+                    # by a bf16 MMA (wgmma on sm90) that accumulates in fp32.
+                    a16 = expand_bf16(a, a_scale[:, None])
+                    b16 = expand_bf16(b, b_scale[None, :])
+                    acc = tl.dot(a16, b16, acc, out_dtype=tl.float32)
+                else:
+                    partial = tl.dot(a, b, out_dtype=tl.float32)
+                    acc += (partial * a_scale[:, None]) * b_scale[None, :]
 
     # Phase 3: fused epilogue, in fp32, the ops in the order EPILOGUE lists them.
     for i in tl.static_range(epilogue_length(EPILOGUE)):
@@ -206,3 +237,33 @@ def mx_mm_kernel(
             q_scale_ptr + offs_m[:, None] * (N // SCALE_BLOCK) + offs_sn[None, :], scale,
             mask=mask_m[:, None] & (offs_sn < N // SCALE_BLOCK)[None, :],
         )
+
+
+@triton.jit
+def bf16_mm_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """C = A @ B of bf16 operands, one `tl.dot` per K tile with fp32 accumulation: the plain bf16
+    GEMM the MX GEMM's compiled code is compared with (`kernel_static.py`), same tiles and
+    tile order, not used by the backend."""
+    pid_m, pid_n = _program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a, b = _operand_tiles(
+            a_ptr, b_ptr, offs_m, offs_n, k0 + tl.arange(0, BLOCK_K), mask_m, mask_n, K,
+            stride_am, stride_ak, stride_bk, stride_bn,
+        )  # fmt: skip
+        acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+    mask = mask_m[:, None] & mask_n[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
