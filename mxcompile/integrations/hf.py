@@ -1,4 +1,4 @@
-"""Hugging Face `Trainer` with the mxfp8 backend.
+"""Hugging Face `Trainer` with the mxfp8 backend, or an FP4 recipe's (nvfp4, mxfp4).
 
 `TrainingArguments(torch_compile=True, torch_compile_backend="mxfp8")` does not work: the
 Trainer hands the backend name to accelerate, which accepts only the names of its own
@@ -10,18 +10,22 @@ compiled. The way that works is to compile the model before the Trainer sees it:
     trainer = Trainer(model=compile_model(model, args), args=args, train_dataset=...,
                       callbacks=[MXReportCallback()])
 
+For an FP4 recipe, pass its config: `compile_model(model, args, config=MXConfig.for_recipe("nvfp4"))`.
+
 `compile_model` compiles the model in place with the mxfp8 backend, so that the Trainer still
 sees the model's own class and forward signature (and it refuses arguments that would make the
-Trainer compile again); `MXReportCallback` puts the share of GEMM FLOPs that ran in MXFP8 into
-the Trainer's log history and says at the end of training what was kept in high precision.
+Trainer compile again); `MXReportCallback` puts the share of GEMM FLOPs that ran in MX formats
+(MXFP8, or the recipe's NVFP4 / MXFP4) into the Trainer's log history and says at the end of
+training in which formats, and what was kept in high precision.
 Nothing here patches transformers or accelerate.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +62,8 @@ def compile_model(
     `args`, when given, are the TrainingArguments the Trainer will get: with `torch_compile=True`
     the Trainer would compile again through accelerate, which refuses the mxfp8 backend, so
     that is an error here, named before the Trainer starts. `config` is the MXConfig (default
-    `MXConfig()`); `torch_compile_kwargs` go to `Module.compile` (e.g. `dynamic=True`)."""
+    `MXConfig()`: mxfp8; `MXConfig.for_recipe("nvfp4", options)` for the NVFP4 recipe, as
+    `backend="nvfp4"` makes it); `torch_compile_kwargs` go to `Module.compile` (e.g. `dynamic=True`)."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"compile_model takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None:
@@ -69,7 +74,7 @@ def compile_model(
             f"TrainingArguments(torch_compile=True, torch_compile_backend={args.torch_compile_backend!r}) "
             "make the Trainer compile the model again through accelerate, which accepts only its own "
             "backend names (\"'MXFP8' is not a valid DynamoBackend\"): set torch_compile=False; "
-            "compile_model compiles the model with the mxfp8 backend")
+            "compile_model compiles the model with the backend of its config (mxfp8, nvfp4 or mxfp4)")
     backend = configured_backend(config, torch_compile_kwargs, "compile_model")
     model.compile(backend=backend, **torch_compile_kwargs)
     warn_uncompiled(model)
@@ -78,7 +83,7 @@ def compile_model(
 
 @dataclass(frozen=True)
 class MXShare:
-    """What ran in MXFP8 for one model, over the retained reports of its compiled graphs
+    """What ran in MX formats for one model, over the retained reports of its compiled graphs
     (`mxcompile.report_of`): one report per graph, recompiles (new shapes, eval) included."""
 
     graphs: int
@@ -90,6 +95,8 @@ class MXShare:
     # The share of all GEMM FLOPs in MX of the first training step after compiling, measured at run time (eager
     # GEMMs outside every compiled graph included); None until that step has ended.
     step_flop_fraction: float | None = None
+    # Converted GEMMs per format family (`Report.converted_by_format`: "mxfp8", "nvfp4", "mxfp4"), most first.
+    formats: dict[str, int] = field(default_factory=dict)
 
     @property
     def converted_flop_fraction(self) -> float:
@@ -97,16 +104,21 @@ class MXShare:
 
     def summary(self) -> str:
         """One line, e.g. '2 graphs: 30 of 32 GEMMs in MXFP8, 99.1% of GEMM FLOPs; the step
-        (run time): 99.1% of its GEMM FLOPs in MX; kept: ...'."""
-        line = (f"{self.graphs} graph(s): {self.converted_gemms} of {self.gemms} GEMMs in MXFP8, "
-                f"{self.converted_flop_fraction:.1%} of GEMM FLOPs")
+        (run time): 99.1% of its GEMM FLOPs in MX; kept: ...', or with several formats
+        '1 graph(s): 24 of 38 GEMMs converted (NVFP4 24), ...'."""
+        if set(self.formats) <= {"mxfp8"}:
+            converted = f"{self.converted_gemms} of {self.gemms} GEMMs in MXFP8"
+        else:
+            shares = ", ".join(f"{family.upper()} {n}" for family, n in self.formats.items())
+            converted = f"{self.converted_gemms} of {self.gemms} GEMMs converted ({shares})"
+        line = f"{self.graphs} graph(s): {converted}, {self.converted_flop_fraction:.1%} of GEMM FLOPs"
         if self.step_flop_fraction is not None:
             line += f"; the step (run time): {self.step_flop_fraction:.1%} of all its GEMM FLOPs in MX"
         return line + (f"; kept: {'; '.join(self.kept_reasons)}" if self.kept_reasons else "")
 
 
 def mx_share(model: torch.nn.Module) -> MXShare:
-    """The MXFP8 share of `model`'s compiled graphs (the module, or what torch.compile returned
+    """The MX share of `model`'s compiled graphs (the module, or what torch.compile returned
     for it)."""
     reports = report_of(model)
     flops_by_reason: dict[str, int] = {}
@@ -114,6 +126,9 @@ def mx_share(model: torch.nn.Module) -> MXShare:
         for reason, flops, _ in report.kept_flops_by_reason():
             flops_by_reason[reason] = flops_by_reason.get(reason, 0) + flops
     reasons = sorted(flops_by_reason, key=lambda r: -flops_by_reason[r])[:KEPT_REASONS_SHOWN]
+    formats: collections.Counter[str] = collections.Counter()
+    for report in reports:
+        formats.update(report.converted_by_format())
     coverage = step_coverage_of(model)
     return MXShare(
         graphs=len(reports),
@@ -123,13 +138,14 @@ def mx_share(model: torch.nn.Module) -> MXShare:
         converted_flops=sum(r.gemm_flops_converted for r in reports),
         kept_reasons=tuple(reasons),
         step_flop_fraction=coverage.mx_flop_fraction if coverage is not None else None,
+        formats=dict(formats.most_common()),
     )
 
 
 class MXReportCallback(TrainerCallback):
-    """Records what ran in MXFP8 in the Trainer's logs.
+    """Records what ran in MX formats (MXFP8, or an FP4 recipe's NVFP4 / MXFP4) in the Trainer's logs.
 
-    At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs in MXFP8 over all GEMM FLOPs
+    At each log step it adds `mx_gemm_flop_fraction` (GEMM FLOPs converted over all GEMM FLOPs
     of the model's compiled graphs), `mx_step_flop_fraction` (the first training step after compiling: its GEMM
     FLOPs in MX over all of them, eager GEMMs outside the compiled graphs included, measured at
     run time; from the first log after that step) and `mx_graphs` (how many graphs were compiled) to the log
@@ -139,7 +155,7 @@ class MXReportCallback(TrainerCallback):
     before user callbacks and do not get them (transformers 5.25).
     At the end of training it logs one summary line (logger `mxcompile.integrations.hf`) and
     warns when no graph of the model was compiled by mxcompile: then the model was not compiled
-    with the mxfp8 backend, and nothing ran in MXFP8."""
+    with an mxcompile backend, and nothing ran in MX."""
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -164,8 +180,8 @@ class MXReportCallback(TrainerCallback):
             return
         share = mx_share(model)
         if share.graphs == 0:
-            warnings.warn("mxcompile compiled no graph of this model: it was not compiled with the mxfp8 backend, "
-                          "and no GEMM ran in MXFP8; pass Trainer(model=mxcompile.integrations.hf.compile_model("
+            warnings.warn("mxcompile compiled no graph of this model: it was not compiled with an mxcompile backend "
+                          "(mxfp8, nvfp4, mxfp4), and no GEMM ran in MX; pass Trainer(model=mxcompile.integrations.hf.compile_model("
                           "model, args))", UserWarning, stacklevel=2)
             return
         logger.info("mxcompile: %s", share.summary())

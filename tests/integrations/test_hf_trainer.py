@@ -1,6 +1,8 @@
 """Hugging Face Trainer with the mxfp8 backend (mxcompile.integrations.hf): a tiny Llama (random
 weights from a small config, nothing downloaded) trains 3 steps on the CPU through the real
-backend (Inductor), its GEMMs in MXFP8, the loss finite, and the MX share in the log history."""
+backend (Inductor), its GEMMs in MXFP8, the loss finite, and the MX share in the log history;
+and the same with the nvfp4 recipe (`config=MXConfig.for_recipe("nvfp4")`), its linear layers'
+GEMMs in NVFP4 but those the recipe keeps."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ hf = pytest.importorskip("mxcompile.integrations.hf")
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS = 256, 64, 128, 2, 2
 SEQ, BATCH, STEPS = 32, 2, 3
+LINEARS = LAYERS * 7 + 1  # q, k, v, o, gate, up, down per layer, and the lm_head
 
 
 class _TokenDataset(torch.utils.data.Dataset):
@@ -49,12 +52,25 @@ def _args(output_dir, **overrides) -> transformers.TrainingArguments:
         disable_tqdm=True, dataloader_num_workers=0, **overrides)
 
 
+def _assert_recipe_decisions(report: mxcompile.Report) -> None:
+    """nvfp4: every linear layer's GEMM in NVFP4 but those of the layers the recipe keeps (the
+    last 2 of 14 linear layers, round(0.15 * 14), and the lm_head), attention kept (off)."""
+    kept = {d.module for d in report.decisions if d.decision == "kept" and d.kind != "attention"}
+    assert kept == {"model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj", "lm_head"}, kept
+    assert all("high_precision_layers=0.15" in d.reason for d in report.decisions
+               if d.decision == "kept" and d.kind != "attention")
+    assert all("attention='off'" in d.reason for d in report.decisions if d.kind == "attention")
+    assert report.converted_by_format() == {"nvfp4": 3 * (LINEARS - 3)}
+
+
 @pytest.mark.slow
-def test_trainer_trains_a_tiny_llama_in_mx(tmp_path) -> None:
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_trainer_trains_a_tiny_llama_in_mx(tmp_path, recipe) -> None:
     model = _tiny_llama()
     before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     args = _args(tmp_path)
-    trainer = transformers.Trainer(model=hf.compile_model(model, args), args=args,
+    config = mxcompile.MXConfig.for_recipe(recipe)
+    trainer = transformers.Trainer(model=hf.compile_model(model, args, config=config), args=args,
                                    train_dataset=_TokenDataset(BATCH * STEPS), callbacks=[hf.MXReportCallback()])
     trainer.train()
 
@@ -66,7 +82,7 @@ def test_trainer_trains_a_tiny_llama_in_mx(tmp_path) -> None:
     # One training graph (forward and backward) for the model, every GEMM of it in MX.
     reports = mxcompile.report_of(model)
     assert len(reports) == 1, [r.summary() for r in reports]
-    assert_converted(reports[0])
+    assert_converted(reports[0]) if recipe == "mxfp8" else _assert_recipe_decisions(reports[0])
     kinds = {d.graph for d in reports[0].decisions}
     assert kinds == {"forward", "backward"}, kinds
     assert trainer.model is model  # compiled in place: the Trainer sees the model's class and signature
