@@ -1,12 +1,13 @@
 """Benchmark (and check) the MX Triton kernels.
 
 On a GPU:
-    python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s vs
-                                                # torch.mm bf16 and torch._scaled_mm rowwise FP8;
-                                                # MX attention vs SDPA (bf16), forward and
-                                                # forward+backward
+    python benchmarks/gpu_kernels.py            # quantize GB/s vs a copy; MX GEMM TFLOP/s (each
+                                                # main loop) vs torch.mm bf16 and torch._scaled_mm
+                                                # rowwise FP8; mx_attention vs SDPA (bf16),
+                                                # forward and forward+backward
     python benchmarks/gpu_kernels.py --check    # correctness against mxcompile.numerics first
     python benchmarks/gpu_kernels.py --sizes 4096 8192
+    python benchmarks/gpu_kernels.py --json OUT.json   # also write every figure as JSON
 On the CPU, under the Triton interpreter, at tiny shapes (a smoke test of this script):
     python benchmarks/gpu_kernels.py --tiny
 No GPU needed: compile every kernel and autotune config for sm90 and sm100 with a real launch's
@@ -18,17 +19,29 @@ Quantize traffic counts what a kernel must move: the input read once plus each w
 (FP8 data and uint8 scales). The copy baseline is `dst.copy_(src)` of the bf16 input (read +
 write). GEMM FLOPs are 2*M*N*K; attention FLOPs 4*B*H*S*S*D (halved when causal), forward +
 backward 3.5 times that (the FlashAttention-2 convention: the backward's 5 GEMMs; the MX backward
-also recomputes S and dP in its dQ kernel, which is not counted).
+also recomputes S and dP in its dQ kernel, which is not counted). Attention is timed through
+`mxcompile.attention.mx_attention`, its quantizations included, as a training step runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# The MX GEMM variants timed: column label -> (mx_mm_triton path, TMA).
+GEMM_COLUMNS = {
+    "dot_scaled": ("dot_scaled", False),
+    "dot_scaled TMA": ("dot_scaled", True),
+    "expand_bf16": ("expand_bf16", False),
+    "fp8_per_block": ("fp8_per_block", False),
+}
 
 
 def _parse() -> argparse.Namespace:
@@ -36,7 +49,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--check", action="store_true", help="check results against the numerics core")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 8192],
+                   help="attention sequence lengths (GPU)")
+    p.add_argument("--gemm-paths", nargs="+", default=list(GEMM_COLUMNS), choices=list(GEMM_COLUMNS),
+                   help="MX GEMM variants to time (each is autotuned per size)")
     p.add_argument("--skip", nargs="*", default=[], choices=["quantize", "gemm", "attention"])
+    p.add_argument("--json", type=Path, help="write the results here as JSON (rewritten after each part)")
     p.add_argument("--pipelining", type=int, nargs="*", metavar="SM",
                    help="no GPU: main-loop pipelining, registers and spills per kernel and config "
                         "(default: 90 100)")
@@ -66,6 +84,7 @@ from mxcompile.triton_templates import (  # noqa: E402
 from mxcompile.triton_templates.attention import mx_attention_reference  # noqa: E402
 from mxcompile.triton_templates.attention_backward import (  # noqa: E402
     mx_attention_backward_reference,
+    quantize_backward_operands,
 )
 from mxcompile.triton_templates.mx_gemm import mx_mm_reference  # noqa: E402
 
@@ -135,7 +154,7 @@ def check(device: torch.device) -> bool:
     # tensor (a linear layer's weight).
     has_tma = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
     b_nk = dev[2].t().contiguous().t()
-    variants = [("dot_scaled", False, dev[2]), ("hopper", False, dev[2])]
+    variants = [("dot_scaled", False, dev[2]), ("expand_bf16", False, dev[2]), ("fp8_per_block", False, dev[2])]
     variants += [("dot_scaled", True, dev[2]), ("dot_scaled", True, b_nk)] if has_tma else []
     for path, tma, b_dev in variants:
         c = mx_mm_triton(
@@ -162,9 +181,11 @@ def check(device: torch.device) -> bool:
     report("mx_attention causal (tile-faithful reference)", err <= 1e-4, f"max|err|={err:.3g}")
     do, lse = torch.randn(2, 64, 64, generator=g), torch.logsumexp(qh @ kh.mT / 8, dim=-1)
     refs = mx_attention_backward_reference(qh, kh, vh, ref, do, lse, causal=True)
+    qkvd = [t.to(device) for t in (qh, kh, vh, do)]
+    operands = quantize_backward_operands(*qkvd, lambda x, axis, elem: _q(x, axis % x.ndim), attention_mode="both",
+                                          forward_elem="e4m3", grad_elem="e4m3")  # fmt: skip
     grads = mx_attention_backward_triton(
-        *(t.to(device) for t in (qh, kh, vh, ref, do, lse)), causal=True,
-        tiles={"BLOCK_M": 32, "BLOCK_N": 32},
+        operands, ref.to(device), qkvd[3], lse.to(device), causal=True, tiles={"BLOCK_M": 32, "BLOCK_N": 32},
     )  # fmt: skip
     err = max(
         ((got.cpu() - r).abs().max() / r.abs().max()).item()
@@ -174,7 +195,9 @@ def check(device: torch.device) -> bool:
     return ok
 
 
-def bench_quantize(device: torch.device, sizes: list[int], reps: int) -> None:
+def bench_quantize(device: torch.device, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """GB/s of the quantize kernel and of `copy_`, per size; printed and returned."""
+    rows = []
     print("\nquantize (bf16 in, e4m3 + E8M0 out, rceil, block 32)")
     print(f"{'M=N':>7} {'copy GB/s':>10} {'row GB/s':>9} {'col GB/s':>9} {'row+col GB/s':>13}")
     for s in sizes:
@@ -187,16 +210,24 @@ def bench_quantize(device: torch.device, sizes: list[int], reps: int) -> None:
         t_col = bench(lambda: quantize_mx_triton(x, 0), device, reps)
         t_both = bench(lambda: quantize_mx_triton_rowcol(x), device, reps)
         gbs = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
+        rows.append({"size": s, "copy_gbs": gbs(4 * n, t_copy), "rowwise_gbs": gbs(2 * n + one_copy, t_row),
+                     "colwise_gbs": gbs(2 * n + one_copy, t_col), "both_gbs": gbs(2 * n + 2 * one_copy, t_both),
+                     "both_over_copy": (2 * n + 2 * one_copy) / t_both / (4 * n / t_copy)})  # fmt: skip
         print(
             f"{s:>7} {_rate(gbs(4 * n, t_copy), 10)} {_rate(gbs(2 * n + one_copy, t_row), 9)} "
             f"{_rate(gbs(2 * n + one_copy, t_col), 9)} "
             f"{_rate(gbs(2 * n + 2 * one_copy, t_both), 13)}"
         )
+    return rows
 
 
-def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
+def bench_gemm(device: torch.device, sizes: list[int], reps: int, columns: list[str]) -> list[dict[str, Any]]:
+    """TFLOP/s of the MX GEMM variants `columns` (GEMM_COLUMNS), of torch.mm in bf16 and of
+    torch._scaled_mm FP8 row-wise, per size; printed and returned (a variant that fails to run
+    gives its exception's name)."""
+    rows = []
     print("\nGEMM TFLOP/s (bf16 out)")
-    cols = ["mx dot_scaled", "mx dot_scaled TMA", "mx hopper", "mm bf16", "_scaled_mm fp8 rowwise"]
+    cols = [f"mx {c}" for c in columns] + ["mm bf16", "_scaled_mm fp8 rowwise"]
     print(f"{'M=N=K':>7} " + " ".join(f"{c:>22}" for c in cols))
     for s in sizes:
         m = n = k = s
@@ -205,17 +236,18 @@ def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
         a, sa = quantize_mx_triton(xa, -1)
         b, sb = quantize_mx_triton(xb, 0)
         flops = 2 * m * n * k
-        row = []
-        for path, tma in (("dot_scaled", False), ("dot_scaled", True), ("hopper", False)):
+        figures: dict[str, float | str] = {}
+        for column in columns:
+            path, tma = GEMM_COLUMNS[column]
             try:
                 t = bench(
                     lambda: mx_mm_triton(a, sa, b, sb, 32, torch.bfloat16, path=path, tma=tma),
                     device, reps,
                 )  # fmt: skip
-                row.append(_rate(flops / t / 1e9, 22))
+                figures[f"mx {column}"] = flops / t / 1e9
             except Exception as exc:  # a path the GPU cannot compile
-                row.append(f"{'failed: ' + type(exc).__name__:>22}")
-        row.append(_rate(flops / bench(lambda: xa @ xb, device, reps) / 1e9, 22))
+                figures[f"mx {column}"] = f"failed: {type(exc).__name__}"
+        figures["mm bf16"] = flops / bench(lambda: xa @ xb, device, reps) / 1e9
         if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
             try:
                 a8 = xa.to(torch.float8_e4m3fn)
@@ -226,72 +258,62 @@ def bench_gemm(device: torch.device, sizes: list[int], reps: int) -> None:
                     lambda: torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=torch.bfloat16),
                     device, reps,
                 )  # fmt: skip
-                row.append(_rate(flops / t / 1e9, 22))
+                figures["_scaled_mm fp8 rowwise"] = flops / t / 1e9
             except Exception as exc:
-                row.append(f"{'failed: ' + type(exc).__name__:>22}")
+                figures["_scaled_mm fp8 rowwise"] = f"failed: {type(exc).__name__}"
         else:
-            row.append(f"{'n/a':>22}")
-        print(f"{s:>7} " + " ".join(row))
+            figures["_scaled_mm fp8 rowwise"] = "n/a"
+        cells = [_rate(v, 22) if isinstance(v, float) else f"{v:>22}" for v in (figures[c] for c in cols)]
+        print(f"{s:>7} " + " ".join(cells))
+        rows.append({"size": s, "tflops": figures})
+    return rows
 
 
-def bench_attention(device: torch.device, seqs: list[int], reps: int, heads: int, dim: int) -> None:
-    print(f"\nattention forward TFLOP/s (B=1, H={heads}, D={dim}, bf16 out)")
-    print(f"{'S':>7} {'causal':>7} {'mx attention':>13} {'SDPA bf16':>10}")
-    for s in seqs:
-        for causal in (False, True):
-            xs = [
-                torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16) for _ in range(3)
-            ]
-            q, qs = quantize_mx_triton(xs[0], -1)
-            kq, ks = quantize_mx_triton(xs[1], -1)
-            v, vs = quantize_along(xs[2], 2, E4M3, ScaleMode.RCEIL, 32)  # along keys (setup)
-            flops = 4 * heads * s * s * dim / (2 if causal else 1)
-            t_mx = bench(
-                lambda: mx_attention_triton(q, qs, kq, ks, v, vs, causal=causal), device, reps
-            )
-            t_sdpa = bench(
-                lambda: torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=causal),
-                device, reps,
-            )  # fmt: skip
-            print(
-                f"{s:>7} {str(causal):>7} {_rate(flops / t_mx / 1e9, 13)} "
-                f"{_rate(flops / t_sdpa / 1e9, 10)}"
-            )
-
-
-def bench_attention_backward(
+def bench_attention(
     device: torch.device, seqs: list[int], reps: int, heads: int, dim: int
-) -> None:
-    print(f"\nattention forward+backward TFLOP/s (B=1, H={heads}, D={dim}, bf16)")
-    print(f"{'S':>7} {'causal':>7} {'mx attention':>13} {'SDPA bf16':>10}")
+) -> list[dict[str, Any]]:
+    """Forward (no grad) and forward+backward of `mxcompile.attention.mx_attention` (bf16 in and
+    out, its quantizations included, as a training step pays them) against SDPA in bf16, per
+    length and causality: milliseconds and TFLOP/s, printed and returned."""
+    from mxcompile.attention import mx_attention
+
+    rows = []
+    print(f"\nattention TFLOP/s (B=1, H={heads}, D={dim}, bf16 in and out; MX: mx_attention)")
+    print(f"{'S':>7} {'causal':>7} {'fwd mx':>9} {'fwd SDPA':>9} {'fwd+bwd mx':>11} {'fwd+bwd SDPA':>13}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for s in seqs:
         for causal in (False, True):
-            xs = [
-                torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16) for _ in range(3)
-            ]
+            xs = [torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16) for _ in range(3)]
             do = torch.randn_like(xs[0])
-            q, qs = quantize_mx_triton(xs[0], -1)
-            kq, ks = quantize_mx_triton(xs[1], -1)
-            v, vs = quantize_along(xs[2], 2, E4M3, ScaleMode.RCEIL, 32)  # along keys (setup)
-            flops = 3.5 * 4 * heads * s * s * dim / (2 if causal else 1)
-
-            def mx_step() -> None:
-                out, lse = mx_attention_triton(
-                    q, qs, kq, ks, v, vs, causal=causal, return_lse=True
-                )
-                mx_attention_backward_triton(*xs, out, do, lse, causal=causal)
-
             leaves = [x.clone().requires_grad_() for x in xs]
+            flops = 4 * heads * s * s * dim / (2 if causal else 1)
 
-            def sdpa_step() -> None:
-                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-                out.backward(do)
+            def forward(attention: Callable[..., torch.Tensor]) -> Callable[[], object]:
+                def run() -> None:
+                    with torch.no_grad():
+                        attention(*xs, is_causal=causal)
 
-            t_mx, t_sdpa = bench(mx_step, device, reps), bench(sdpa_step, device, reps)
-            print(
-                f"{s:>7} {str(causal):>7} {_rate(flops / t_mx / 1e9, 13)} "
-                f"{_rate(flops / t_sdpa / 1e9, 10)}"
-            )
+                return run
+
+            def forward_backward(attention: Callable[..., torch.Tensor]) -> Callable[[], object]:
+                def run() -> None:
+                    attention(*leaves, is_causal=causal).backward(do)
+
+                return run
+
+            times = {
+                "forward_mx_ms": bench(forward(mx_attention), device, reps),
+                "forward_sdpa_ms": bench(forward(sdpa), device, reps),
+                "forward_backward_mx_ms": bench(forward_backward(mx_attention), device, reps),
+                "forward_backward_sdpa_ms": bench(forward_backward(sdpa), device, reps),
+            }
+            rows.append({"seq": s, "causal": causal, **times,
+                         "forward_mx_over_sdpa": times["forward_mx_ms"] / times["forward_sdpa_ms"],
+                         "forward_backward_mx_over_sdpa":
+                             times["forward_backward_mx_ms"] / times["forward_backward_sdpa_ms"]})  # fmt: skip
+            rates = [flops * (1 if "forward_b" not in k else 3.5) / t / 1e9 for k, t in times.items()]
+            print(f"{s:>7} {str(causal):>7} " + " ".join(_rate(r, w) for r, w in zip(rates, (9, 9, 11, 13))))
+    return rows
 
 
 def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
@@ -332,11 +354,14 @@ def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
                                  mx_qk=True, mx_pv=True, block_size=32, interpret=False)
     # (label, config, launcher taking tiles= and wrap=)
     launches: list[tuple[str, object, Callable[..., object]]] = []
-    # (label, use_dot_scaled, use_tma): TMA where mx_mm_triton takes it by default (sm100+).
-    paths = [("dot_scaled", True, False)]
-    paths += [("dot_scaled, TMA", True, True)] if capability >= 100 else [("hopper", False, False)]
-    for path, dot_scaled, tma in paths:
-        launch = functools.partial(gemm, use_dot_scaled=dot_scaled, use_tma=tma)
+    # (label, main loop, use_tma): TMA on sm100+; the per-block loops on sm90.
+    paths = [("dot_scaled", "dot_scaled", False)]
+    if capability >= 100:
+        paths += [("dot_scaled, TMA", "dot_scaled", True)]
+    else:
+        paths += [("expand_bf16", "expand_bf16", False), ("fp8_per_block", "fp8_per_block", False)]
+    for path, main_loop, tma in paths:
+        launch = functools.partial(gemm, path=main_loop, use_tma=tma)
         launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs()]
     launches += [("mx_attention_fwd_kernel", c, forward) for c in attention_autotune_configs()]
     for name in ("dkdv", "dq"):
@@ -366,6 +391,12 @@ def report_pipelining(capabilities: list[int]) -> int:
     return 0
 
 
+def _write(path: Path | None, results: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.pipelining is not None:
         return report_pipelining(args.pipelining or [90, 100])
@@ -374,26 +405,34 @@ def main(args: argparse.Namespace) -> int:
         sizes, seqs, reps, heads, dim = [64], [64], 2, 2, 32
     else:
         device = torch.device("cuda")
-        sizes, seqs, reps, heads, dim = args.sizes, [1024, 4096, 8192], 1, 16, 128
+        sizes, seqs, reps, heads, dim = args.sizes, args.seqs, 1, 16, 128
     ok, reason = triton_available(device)
     print(f"device: {device} ({reason})")
     if not ok:
         print("cannot run: " + reason, file=sys.stderr)
         return 2
+    results: dict[str, Any] = {"command": ["python", "benchmarks/gpu_kernels.py", *sys.argv[1:]],
+                               "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+        results["gpu"] = torch.cuda.get_device_name(device)
+        print(f"GPU: {results['gpu']}, torch {torch.__version__}")
     if args.check or args.tiny:
         print("\ncorrectness checks")
-        if not check(device):
+        results["checks_passed"] = check(device)
+        _write(args.json, results)
+        if not results["checks_passed"]:
             print("correctness check FAILED", file=sys.stderr)
             return 1
     if "quantize" not in args.skip:
-        bench_quantize(device, sizes, reps)
+        results["quantize"] = bench_quantize(device, sizes, reps)
+        _write(args.json, results)
     if "gemm" not in args.skip:
-        bench_gemm(device, sizes, reps)
+        results["gemm"] = bench_gemm(device, sizes, reps, args.gemm_paths)
+        _write(args.json, results)
     if "attention" not in args.skip:
-        bench_attention(device, seqs, reps, heads, dim)
-        bench_attention_backward(device, seqs, reps, heads, dim)
+        rows = bench_attention(device, seqs, reps, heads, dim)
+        results["attention"] = {"batch": 1, "heads": heads, "head_dim": dim, "rows": rows}
+        _write(args.json, results)
     return 0
 
 
