@@ -1,4 +1,6 @@
-"""The memory plan inside the mxfp8 pipeline (eager lowering: no Inductor compile)."""
+"""The memory plan inside the mxfp8 pipeline (eager lowering: no Inductor compile), with each
+recipe: mxfp8, and the FP4 recipes nvfp4 and mxfp4 (issue 48), whose forward saves packed FP4
+operands for the weight gradients."""
 
 from __future__ import annotations
 
@@ -15,31 +17,37 @@ from mxcompile.report import Report
 from mx_testing import eager_mxfp8_backend
 
 FRACTION = 0.5
+RECIPES = ("mxfp8", "nvfp4", "mxfp4")
 
 
 def _eager(gm, inputs):
     return make_boxed_func(gm.forward)
 
 
-def train_step(budget):
-    """Report and parameter gradients of one tiny-GPT step under ``budget``."""
+def train_step(budget, recipe="mxfp8"):
+    """Report and parameter gradients of one tiny-GPT step of ``recipe`` under ``budget``."""
     torch._dynamo.reset()
     model, (idx,) = gpt_factory("tiny")
-    config = MXConfig(memory_budget=budget)
+    config = MXConfig.for_recipe(recipe, {} if budget is None else {"memory_budget": budget})
     report = Report(config.to_dict())
     compiled = torch.compile(model, backend=eager_mxfp8_backend(config, report))
     lm_loss(compiled(idx), idx).backward()
     return report, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def unplanned():
-    return train_step(None)
+@pytest.fixture(scope="module", params=RECIPES)
+def recipe(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def planned():
-    return train_step(FRACTION)
+def unplanned(recipe):
+    return train_step(None, recipe)
+
+
+@pytest.fixture(scope="module")
+def planned(recipe):
+    return train_step(FRACTION, recipe)
 
 
 def test_plan_fits_recomputes_and_keeps_gradients_bit_identical(unplanned, planned) -> None:
@@ -72,8 +80,8 @@ def test_plan_fits_recomputes_and_keeps_gradients_bit_identical(unplanned, plann
     assert all(a <= b for a, b in zip(times, times[1:])), curve
 
 
-def test_plan_tensors_are_the_saved_tensors(unplanned) -> None:
-    report, _ = train_step(1.0)
+def test_plan_tensors_are_the_saved_tensors(unplanned, recipe) -> None:
+    report, _ = train_step(1.0, recipe)
     names = [t["name"] for t in report.memory_plan["tensors"]]
     assert names == [row["name"] for row in unplanned[0].saved_tensors_after]
     assert all(t["decision"] == "keep" for t in report.memory_plan["tensors"])

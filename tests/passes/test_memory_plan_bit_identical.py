@@ -1,5 +1,6 @@
 """A memory budget does not change what training computes: gradients of a planned step are
-bit-identical to the unplanned step's, under Inductor (issue 18).
+bit-identical to the unplanned step's, under Inductor (issue 18), with each backend (the FP4
+recipes: issue 48).
 
 The bug showed on a 12-layer Linear + GELU MLP with 4096 x 1024 activations: the plan
 recomputes GEMM outputs; a forward that no longer saved ``x @ w`` let Inductor fuse the bias
@@ -9,10 +10,16 @@ layers for CI time: the property holds at any depth where the plan recomputes so
 the test asserts (smaller batches, e.g. 512, leave nothing to recompute), and the structural
 test below checks the guard itself.
 
-Three Inductor compiles (no budget, 0.5, 0.3): 284 s in all on 2 cores under a load of 3.
+Three Inductor compiles (no budget, 0.5, 0.3): 284 s in all on 2 cores under a load of 3. The
+FP4 backends run the README quickstart's widths on 256 rows (about 30 s each with 0.5): there
+the plan recomputes the packed FP4 operand of the first layer's weight gradient (a
+quantize_fp4 output, which the backward then quantizes again from the input), so a recomputed
+FP4 quantization is checked too.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,36 +28,63 @@ import mxcompile
 from mxcompile.config import MemoryBudget
 from mxcompile.examples.mlp import MLP, MLPConfig
 
-LAYERS = 2
-WIDTH = 1024
-BATCH = 4096
-FRACTIONS = (0.5, 0.3)
 SEED = 0
 
 
-def _step(budget: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+@dataclass(frozen=True)
+class Case:
+    """One backend's step: an MLP of these widths on `batch` rows, planned at each fraction."""
+
+    widths: tuple[int, ...]
+    batch: int
+    fractions: tuple[float, ...]
+    fp4: bool = False
+
+
+WIDTH = 1024
+CASES = {
+    "mxfp8": Case(widths=(WIDTH,) * 3, batch=4096, fractions=(0.5, 0.3)),
+    "nvfp4": Case(widths=(256, 1024, 256), batch=256, fractions=(0.5,), fp4=True),
+    "mxfp4": Case(widths=(256, 1024, 256), batch=256, fractions=(0.5,), fp4=True),
+}
+PLANNED = [(backend, fraction) for backend, case in CASES.items() for fraction in case.fractions]
+
+
+def _step(backend: str, budget: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], mxcompile.Report]:
+    case = CASES[backend]
     torch._dynamo.reset()
     torch.manual_seed(SEED)
-    model = MLP(MLPConfig(widths=(WIDTH,) * (LAYERS + 1)))
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(SEED + 1))
+    model = MLP(MLPConfig(widths=case.widths))
+    x = torch.randn(case.batch, case.widths[0], generator=torch.Generator().manual_seed(SEED + 1))
     options = {} if budget is None else {"memory_budget": MemoryBudget.of_fraction(budget)}
-    compiled = torch.compile(model, backend="mxfp8", options=options)
+    compiled = torch.compile(model, backend=backend, options=options)
     loss = compiled(x).square().mean()
     loss.backward()
-    plan = mxcompile.report_of(model)[-1].memory_plan or {}
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, plan
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, mxcompile.report_of(model)[-1]
 
 
 @pytest.fixture(scope="module")
-def unplanned() -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-    return _step(None)
+def unplanned():
+    """backend -> its unplanned step (each run once, when first asked for)."""
+    steps: dict[str, tuple] = {}
+
+    def step(backend: str) -> tuple:
+        if backend not in steps:
+            steps[backend] = _step(backend, None)
+        return steps[backend]
+
+    return step
 
 
-@pytest.mark.parametrize("fraction", FRACTIONS)
-def test_planned_gradients_are_bit_identical(unplanned, fraction):
-    loss, grads, _ = unplanned
-    planned_loss, planned_grads, plan = _step(fraction)
+@pytest.mark.parametrize("backend, fraction", PLANNED)
+def test_planned_gradients_are_bit_identical(unplanned, backend, fraction):
+    loss, grads, report = unplanned(backend)
+    planned_loss, planned_grads, planned = _step(backend, fraction)
+    plan = planned.memory_plan or {}
     assert plan.get("recomputed"), f"the plan at {fraction} recomputes nothing: this test would prove nothing"
+    if CASES[backend].fp4:
+        packed = {name for row in report.saved_quantized if row["format"] == backend for name in row["outputs"]}
+        assert packed & set(plan["recomputed"]), (plan["recomputed"], packed)
     assert torch.equal(planned_loss, loss)
     differing = [name for name in grads if not torch.equal(planned_grads[name], grads[name])]
     assert not differing, f"gradients differ at budget {fraction}: {differing}"
