@@ -8,6 +8,8 @@ partial sums, GEMMs over per-rank token halves), and with 32-token-aligned per-r
 and K-shards of whole blocks every MX block is the single-process block. So losses agree to
 LOSS_RTOL and first-step gradients to GRAD_RTOL (relative norm error per parameter; measured
 about 1e-7). The MXFP8 all-gather gives the same numbers as the plain all-gather, bit for bit.
+FSDP2 with the nvfp4 recipe (high-precision all-gather) is held to data parallelism written out
+in the worker (`run_fsdp_nvfp4`: NVFP4 quantizes each rank's local tensors), to the same GRAD_RTOL.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch.distributed as dist
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 MX_BYTES_PER_ELEMENT = 1 + 1 / 32
+LINEARS_PER_BLOCK = 5  # the built-in GPT's block graph (one per FSDP unit, shared by both blocks)
+ATTENTION_GEMMS = 6
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -64,6 +68,20 @@ def test_layout_matches_single_process(results, layout):
     result = results[layout]
     _assert_losses_match(result["losses"], results["reference"]["losses"])
     _assert_grads_match(result)
+
+
+def test_fsdp2_nvfp4_equals_data_parallel(results):
+    """FSDP2 + nvfp4 (RHT, stochastic rounding, 2-D weights) on 2 ranks: the first step's loss
+    and gradients are those of each rank's unsharded copy on its rows, averaged; every linear
+    GEMM in NVFP4, attention kept (off), the weights all-gathered in high precision."""
+    result = results["fsdp_nvfp4"]
+    assert abs(result["losses"][0] - result["first_loss_data_parallel"]) <= LOSS_RTOL * result["losses"][0]
+    assert result["grads_vs_data_parallel"]["worst_rel_norm_err"] <= GRAD_RTOL, result["grads_vs_data_parallel"]
+    assert result["mx_weights"] == {}
+    for decisions in result["decisions"]:
+        assert _counts(decisions, "kind", "format") == Counter(
+            {(kind, "nvfp4"): LINEARS_PER_BLOCK for kind in ("output", "input_grad", "weight_grad")}
+            | {("attention", ""): ATTENTION_GEMMS}), decisions
 
 
 def test_ddp_report_equals_single_process(results):

@@ -1,7 +1,7 @@
 """Multi-process scenarios for tests/distributed, run under torchrun with 2 CPU ranks (gloo):
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/worker.py \
-        --out results.json --scenarios reference,ddp,fsdp,fsdp_mx,tp,tp_misaligned,all_gather
+        --out results.json --scenarios reference,ddp,fsdp,fsdp_mx,fsdp_nvfp4,tp,tp_misaligned,all_gather
 
 Each scenario trains the tiny built-in GPT for STEPS AdamW steps compiled with the mxfp8
 pipeline (`--lowering eager`: AOTAutograd + passes + partition, graphs run op by op; `inductor`:
@@ -44,7 +44,8 @@ OCTAVES = 24  # more than e4m3's range below a block maximum (about 17 octaves)
 ROW_STRIDE, COL_STRIDE = 7, 5  # coprime with OCTAVES: every residue appears within a block
 _BLOCK_PREFIX = re.compile(r"^blocks\.\d+\.")
 
-SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "tp", "tp_misaligned", "all_gather", "usages", "llama")
+SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "fsdp_nvfp4", "tp", "tp_misaligned", "all_gather", "usages",
+             "llama")
 SCENARIOS_4_RANKS = ("llama_2d",)  # run only when asked: --nproc-per-node 4 --scenarios llama_2d
 
 
@@ -70,7 +71,7 @@ def new_model() -> GPT:
 
 def summarize(report: Report) -> list[dict[str, Any]]:
     return [
-        {"graph": d.graph, "kind": d.kind, "decision": d.decision, "op": d.op,
+        {"graph": d.graph, "kind": d.kind, "decision": d.decision, "format": d.format, "op": d.op,
          "module": _BLOCK_PREFIX.sub("", d.module), "full_module": d.module,
          "k": d.shapes[0][-1] if d.kind != "attention" else None, "reason": d.reason}
         for d in report.decisions
@@ -163,13 +164,12 @@ def run_ddp(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
     return result
 
 
-def run_fsdp(batches: torch.Tensor, lowering: str, all_gather: str) -> dict[str, Any]:
+def run_fsdp(batches: torch.Tensor, lowering: str, config: MXConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from mxcompile.distributed import CollectiveCounter, compile_fsdp2, shard_gpt_fsdp2
     from mxcompile.distributed.mx_all_gather import MXAllGatherWeight
 
-    config = MXConfig(fsdp_all_gather=all_gather)
     report = Report({})
     model = new_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -187,6 +187,34 @@ def run_fsdp(batches: torch.Tensor, lowering: str, all_gather: str) -> dict[str,
         if isinstance(getattr(p, "_local_tensor", None), MXAllGatherWeight)
     }
     result["param_numel"] = {name: p.numel() for name, p in model.named_parameters()}
+    return result
+
+
+def run_fsdp_nvfp4(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
+    """FSDP2 (its high-precision all-gather) with the nvfp4 recipe against data parallelism
+    written out: every rank's unsharded copy compiled alike on its own rows, the gradients
+    averaged over ranks. Not against one process: NVFP4's tensor scale comes from each rank's
+    local amax and the stochastic-rounding draws from its local operands, so data parallelism
+    changes the quantization; FSDP2 must change nothing more than the order of fp32 sums. Every
+    switch on but the high-precision layers (0): compile_fsdp2 compiles a graph per unit, the
+    copy one graph, and the rule counts each graph's layers."""
+    config = MXConfig.for_recipe("nvfp4", {"high_precision_layers": 0})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = new_model()
+    compiled = torch.compile(model, backend=make_backend(config, Report({}), lowering))
+    tokens = rank_rows(batches[0], rank)
+    loss = lm_loss(compiled(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    expected = {}
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad)
+        expected[name] = param.grad / world
+    dist.all_reduce(loss)
+    torch._dynamo.reset()
+    result = run_fsdp(batches, lowering, config)
+    grads = result.pop("grads")
+    result["first_loss_data_parallel"] = loss.item() / world
+    result["grads_vs_data_parallel"] = compare_grads(grads, expected)
     return result
 
 
@@ -297,9 +325,11 @@ def main() -> None:
         elif name == "ddp":
             result = run_ddp(batches, args.lowering)
         elif name == "fsdp":
-            result = run_fsdp(batches, args.lowering, "bf16")
+            result = run_fsdp(batches, args.lowering, MXConfig(fsdp_all_gather="bf16"))
         elif name == "fsdp_mx":
-            result = run_fsdp(batches, args.lowering, "mxfp8")
+            result = run_fsdp(batches, args.lowering, MXConfig(fsdp_all_gather="mxfp8"))
+        elif name == "fsdp_nvfp4":
+            result = run_fsdp_nvfp4(batches, args.lowering)
         elif name == "tp":
             result = run_tp(batches, args.lowering)
         elif name == "tp_misaligned":
