@@ -36,12 +36,12 @@ def _operand(data_ptr, scale_ptr, head, r0, S, ROWS: tl.constexpr, HEAD_DIM: tl.
 @triton.jit
 def _product(lhs, rhs, acc, MX: tl.constexpr, ROWS: tl.constexpr, INNER: tl.constexpr,
              SCALE_BLOCK: tl.constexpr, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr,
-             DOT: tl.constexpr):  # fmt: skip
+             SIGNED: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """acc + lhs · rhs for fp32 lhs (ROWS, INNER), P or dS, and an operand tile rhs (INNER, cols):
     with MX, lhs is rounded to MX along INNER, its contraction axis, in registers; else an fp32
-    product."""
+    product. SIGNED=False: lhs >= 0 (P)."""
     if MX:
-        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE).to(dot_type(DOT))
+        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE, SIGNED).to(dot_type(DOT))
         acc = tl.dot(lhs, rhs, acc)
     else:
         acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
@@ -132,13 +132,13 @@ def mx_attention_bwd_dkdv_kernel(
         p_t = tl.where(valid, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         # dV += P^T dO: P^T rounded along the queries, dO along the queries.
         do_t = _operand(dot_ptr, dot_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, True, MX_PV, DOT)
-        dv = _product(p_t, do_t, dv, MX_PV, BLOCK_N, BLOCK_M, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, DOT)
+        dv = _product(p_t, do_t, dv, MX_PV, BLOCK_N, BLOCK_M, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, False, DOT)
         # dP^T = V dO^T (along head_dim), then dS^T = (dP^T - delta) P^T, fp32.
         do = _operand(do_ptr, do_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, False, MX_PV, DOT)
         ds_t = (_scores(v, do, MX_PV) - delta[None, :]) * p_t
         # dK += dS^T Q: dS^T rounded along the queries, Q along the queries.
         q_t = _operand(qt_ptr, qt_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, True, MX_QK, DOT)
-        dk = _product(ds_t, q_t, dk, MX_QK, BLOCK_N, BLOCK_M, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, DOT)
+        dk = _product(ds_t, q_t, dk, MX_QK, BLOCK_N, BLOCK_M, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT)
 
     # Phase 3: store dK (times the softmax scale) and dV.
     offsets = head * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -192,7 +192,7 @@ def mx_attention_bwd_dq_kernel(
         ds = (_scores(do, v, MX_PV) - delta[:, None]) * p
         # dQ += dS K: dS rounded along the keys, K along the keys.
         k_t = _operand(kt_ptr, kt_scale_ptr, head, n0, S_K, BLOCK_N, HEAD_DIM, SCALE_BLOCK, True, MX_QK, DOT)
-        dq = _product(ds, k_t, dq, MX_QK, BLOCK_M, BLOCK_N, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, DOT)
+        dq = _product(ds, k_t, dq, MX_QK, BLOCK_M, BLOCK_N, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT)
 
     # Phase 3: store dQ (times the softmax scale).
     offsets = head * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]

@@ -41,6 +41,9 @@ F32_EXPONENT_FIELD: tl.constexpr = tl.constexpr(formats.F32_EXPONENT_MASK << for
 F32_SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 # 2**-127 (an fp32 subnormal): the mantissa's top bit alone.
 F32_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << (formats.F32_MANTISSA_BITS - 1))
+# bf16's mantissa width, and its 2**-127 (a subnormal: the mantissa's top bit alone).
+BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(7)
+BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << 6)
 # Bits to drop, at most, when rounding an fp32 significand (keeps the shift below 31).
 F32_MAX_ROUNDING_SHIFT: tl.constexpr = tl.constexpr(30)
 E8M0_BIAS: tl.constexpr = tl.constexpr(formats.E8M0_BIAS)
@@ -270,6 +273,23 @@ def quantize_blocks(
 
 
 @triton.jit
+def expansion_scale(scale_bytes, DOT: tl.constexpr):
+    """2**(b - 127) of each scale byte b in the MMA dtype DOT, exact (2**-127 for b = 0, a
+    subnormal in bf16 and fp32): the power of two set in the exponent field, and for b = 0 the
+    subnormal's bits, which every b >= 1 exceeds, so one max. b = 255 (a block holding a NaN or
+    an Inf) gives +Inf: such a block's elements are NaN (`quantize_blocks`, the numerics core),
+    so their products are NaN all the same."""
+    b = scale_bytes.to(tl.int32)
+    if DOT == "bf16":
+        bits = tl.maximum(b << BF16_MANTISSA_BITS, BF16_SMALLEST_SCALE_BITS)
+        scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        tl.static_assert(DOT == "fp32", "DOT: bf16 or fp32")
+        scale = tl.maximum(b << F32_MANTISSA_BITS, F32_SMALLEST_SCALE_BITS).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
 def load_mx_tile(
     data_ptr, scale_ptr, head, r0, S,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr,
@@ -296,30 +316,33 @@ def load_mx_tile(
         scale_ptrs = scale_ptr + head * n_blocks * HEAD_DIM + offs_b[:, None] * HEAD_DIM + offs_d[None, :]
         scale = tl.load(scale_ptrs, mask=(offs_b < n_blocks)[:, None], other=E8M0_ONE)
         blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, HEAD_DIM))
-        x = blocks * tl.expand_dims(scale_fp32(scale).to(dot_type(DOT)), 1)
+        x = blocks * tl.expand_dims(expansion_scale(scale, DOT), 1)
     else:
         blocks_per_row: tl.constexpr = HEAD_DIM // SCALE_BLOCK
         offs_b = tl.arange(0, blocks_per_row)
         scale_ptrs = scale_ptr + head * S * blocks_per_row + offs_r[:, None] * blocks_per_row + offs_b[None, :]
         scale = tl.load(scale_ptrs, mask=mask_r[:, None], other=E8M0_ONE)
         blocks = tl.reshape(x, (ROWS, blocks_per_row, SCALE_BLOCK))
-        x = blocks * tl.expand_dims(scale_fp32(scale).to(dot_type(DOT)), 2)
+        x = blocks * tl.expand_dims(expansion_scale(scale, DOT), 2)
     return tl.reshape(x, (ROWS, HEAD_DIM))
 
 
 @triton.jit
 def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-             ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):  # fmt: skip
+             ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
     """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, and dequantized: the fp32
     value an MX GEMM multiplies (`mxcompile.numerics`: the block scale from the block's amax,
     x scaled by its inverse, clamped, rounded to the element format's nearest even, scaled
     back; a block holding a NaN or an Inf is all NaN). No FP8 byte is formed: rounding to the
     element grid is the fp32 add and subtract of a power of two, 2**(23 - mantissa bits)
     times the grid's exponent (that of the scaled value, or the format's smallest normal below
-    it), signed like the value."""
+    it), signed like the value. SIGNED=False: x >= 0 (P), which saves the sign's operations."""
     blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
     # The block amax on the bits: NaN bits exceed Inf's, so one integer max finds both.
-    amax_bits = tl.reduce(blocks.to(tl.int32, bitcast=True) & F32_ABS_MASK, 2, max_combine)
+    abs_bits = blocks.to(tl.int32, bitcast=True)
+    if SIGNED:
+        abs_bits = abs_bits & F32_ABS_MASK
+    amax_bits = tl.reduce(abs_bits, 2, max_combine)
     scale = scale_bytes(amax_bits.to(tl.float32, bitcast=True), amax_bits >= F32_INF_BITS, ELEM, SCALE_MODE)
     y = blocks * tl.expand_dims(inverse_scale(scale), 2)
     if SCALE_MODE != "rceil":
@@ -328,7 +351,10 @@ def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexp
         y = tl.minimum(tl.maximum(y, -elem_max(ELEM)), elem_max(ELEM))
     y_bits = y.to(tl.int32, bitcast=True)
     grid = tl.maximum(y_bits & F32_EXPONENT_FIELD, elem_min_normal_field(ELEM))
-    magic = ((grid + elem_magic_offset(ELEM)) | (y_bits & F32_SIGN_BIT)).to(tl.float32, bitcast=True)
+    magic_bits = grid + elem_magic_offset(ELEM)
+    if SIGNED:
+        magic_bits = magic_bits | (y_bits & F32_SIGN_BIT)
+    magic = magic_bits.to(tl.float32, bitcast=True)
     rounded = (y + magic) - magic
     return tl.reshape(rounded * tl.expand_dims(scale_fp32(scale), 2), (ROWS, COLS))
 
