@@ -7,8 +7,9 @@ Three main-loop paths (`GEMM_PATHS`), selected by the `MAIN_LOOP` constexpr:
     loop). Needs SCALE_BLOCK == 32.
   * "expand_bf16", for Hopper: the FP8 tiles, loaded into shared memory by the pipelined K loop
     (`cp.async`), are expanded exactly to bf16 one scale block of K at a time (each element
-    times 2**(scale - 127), `expand_bf16`) and multiplied by a bf16 `tl.dot` (`wgmma` on sm90)
-    accumulating in fp32. Per scale block rather than per K tile: compiled for sm90, a whole
+    times 2**(scale - 127) in bf16, `expand_bf16`) and multiplied by a bf16 `tl.dot` (`wgmma`
+    on sm90) accumulating in fp32; NaN blocks (scale byte 255) make their rows and columns of
+    C NaN after the loop. Per scale block rather than per K tile: compiled for sm90, a whole
     tile's expansion holds one scale per element in registers and spills at 128x128 tiles.
   * "fp8_per_block": one FP8 `tl.dot` per SCALE_BLOCK-wide slice of K, accumulated in fp32,
     with both scales (a row vector and a column vector) applied to that slice's fp32 product.
@@ -64,6 +65,8 @@ ACTIVATIONS = ("gelu_tanh", "gelu_erf", "silu")
 # A TMA descriptor's base address and every stride but the innermost (which must be 1) are
 # multiples of 16 bytes (CUDA's cuTensorMapEncodeTiled; Triton's TensorDescriptor checks it).
 TMA_ALIGNMENT_BYTES = 16
+# A quiet NaN's bf16 bits.
+BF16_QUIET_NAN_BITS = 0x7FC0
 
 
 @dataclass(frozen=True)
@@ -160,20 +163,21 @@ def _autotuned(block_size: int, tma: bool) -> Any:
 
 
 @contextlib.contextmanager
-def interpreter_bf16_dot() -> Iterator[None]:
-    """Within it, the Triton interpreter's `tl.dot` multiplies bf16 operands as their values.
+def interpreter_bf16_arithmetic() -> Iterator[None]:
+    """Within it, the Triton interpreter's `tl.dot` and `*` take bf16 operands as their values.
 
-    Triton 3.9's interpreter keeps bf16 tensors as their uint16 bit patterns and its dot calls
-    np.matmul on them as they are, so a bf16 `tl.dot` computes products of integers (seen on
-    this machine: a 16x16 product off by 3e10). Here each bf16 operand is widened to its exact
-    fp32 value (its bits shifted up 16) before the matmul, which accumulates in fp32 as a bf16
-    tensor-core MMA does. Only the expand_bf16 main loop has bf16 dots; the launcher applies
-    this around its interpreted launches."""
+    Triton 3.9's interpreter keeps bf16 tensors as their uint16 bit patterns and multiplies
+    them (np.matmul, np.multiply) as they are: a bf16 `tl.dot` computes products of integers
+    (seen on this machine: a 16x16 product off by 3e10), and so does a bf16 `*`. Here each bf16
+    operand is widened to its exact fp32 value (its bits shifted up 16): the dot then
+    accumulates in fp32, as a bf16 tensor-core MMA does, and a product is rounded back to bf16
+    to nearest even, as the GPU's bf16 multiply rounds. The expand_bf16 main loop and the bf16
+    reference GEMM need it; their launchers apply it around interpreted launches."""
     import numpy as np
     import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
-    original = InterpreterBuilder.create_dot
+    create_dot, create_fmul = InterpreterBuilder.create_dot, InterpreterBuilder.create_fmul
 
     def widened(handle: TensorHandle) -> TensorHandle:
         if handle.dtype.scalar != tl.bfloat16:
@@ -181,14 +185,23 @@ def interpreter_bf16_dot() -> Iterator[None]:
         bits = handle.data.astype(np.uint32) << np.uint32(16)
         return TensorHandle(bits.view(np.float32), tl.float32)
 
-    def create_dot(self: Any, a: TensorHandle, b: TensorHandle, d: TensorHandle, *args: Any) -> TensorHandle:
-        return original(self, widened(a), widened(b), d, *args)
+    def dot(self: Any, a: TensorHandle, b: TensorHandle, d: TensorHandle, *args: Any) -> TensorHandle:
+        return create_dot(self, widened(a), widened(b), d, *args)
 
-    InterpreterBuilder.create_dot = create_dot
+    def multiply(self: Any, lhs: TensorHandle, rhs: TensorHandle) -> TensorHandle:
+        if lhs.dtype.scalar != tl.bfloat16:
+            return create_fmul(self, lhs, rhs)
+        product = (widened(lhs).data * widened(rhs).data).astype(np.float32)
+        bits = product.view(np.uint32)
+        nearest_even = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        bits16 = np.where(np.isnan(product), np.uint32(BF16_QUIET_NAN_BITS), nearest_even).astype(np.uint16)
+        return TensorHandle(bits16, tl.bfloat16)
+
+    InterpreterBuilder.create_dot, InterpreterBuilder.create_fmul = dot, multiply
     try:
         yield
     finally:
-        InterpreterBuilder.create_dot = original
+        InterpreterBuilder.create_dot, InterpreterBuilder.create_fmul = create_dot, create_fmul
 
 
 def mx_mm_launch(
@@ -277,7 +290,7 @@ def mx_mm_launch(
         meta.update(fixed_tiles)
     if wrap is not None:
         kernel = wrap(kernel)
-    with interpreter_bf16_dot() if interpret and path == "expand_bf16" else contextlib.nullcontext():
+    with interpreter_bf16_arithmetic() if interpret and path == "expand_bf16" else contextlib.nullcontext():
         kernel[grid](*args, **meta)
     return c, q_data, q_scale
 
@@ -308,7 +321,7 @@ def bf16_mm_launch(
     if wrap is not None:
         kernel = wrap(kernel)
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-    with interpreter_bf16_dot() if interpret else contextlib.nullcontext():
+    with interpreter_bf16_arithmetic() if interpret else contextlib.nullcontext():
         kernel[grid](a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(), **meta)
     return c
 

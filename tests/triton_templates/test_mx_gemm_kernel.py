@@ -93,6 +93,20 @@ def test_bit_identical_to_the_reference(path: str, shape: tuple[int, int, int]) 
     assert torch.equal(c, ref)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_scale_bytes_0_and_255_as_the_reference(path: str) -> None:
+    """Scale byte 0 (2**-127: expanded to a bf16 subnormal) gives the reference's bits; byte
+    255 (NaN) over finite data makes its row of A / column of B NaN, as the reference does."""
+    a, sa, b, sb = _exact_operands(40, 72, 96, seed=3)
+    sa[5, :] = 0
+    sa[7, 1] = 0xFF
+    sb[1, 9] = 0xFF
+    c = mx_mm_triton(a, sa, b, sb, 32, torch.float32, path=path, tiles=SMALL_TILES)
+    ref = mx_mm_reference(a, sa, b, sb, 32, torch.float32)
+    assert torch.equal(c.isnan(), ref.isnan()) and ref[7].isnan().all() and ref[:, 9].isnan().all()
+    assert torch.equal(torch.nan_to_num(c), torch.nan_to_num(ref)) and (ref[5] != 0).any()
+
+
 def test_the_exact_operands_tell_fp32_from_bf16_accumulation() -> None:
     """The bit-identity test's data can fail: the same products summed in bf16 differ."""
     a, sa, b, sb = _exact_operands(64, 64, 128, seed=1)
@@ -278,7 +292,7 @@ def test_auto_path_rule() -> None:
 
 def test_the_bf16_reference_gemm_is_exact() -> None:
     """The plain bf16 GEMM of the static comparison, under the interpreter (whose bf16 tl.dot
-    `interpreter_bf16_dot` corrects), on values whose sums are exact in bf16 (the interpreter
+    `interpreter_bf16_arithmetic` corrects), on values whose sums are exact in bf16 (the interpreter
     truncates fp32 -> bf16 where a GPU rounds); ragged tiles."""
     from mxcompile.triton_templates.mx_gemm import bf16_mm_launch
 

@@ -5,7 +5,11 @@ reference."""
 import triton
 import triton.language as tl
 
-from .mx_tile import E8M0_ONE, quantize_blocks, scale_fp32
+from .mx_tile import E8M0_NAN, E8M0_ONE, quantize_blocks, scale_fp32
+
+# bf16 has 7 mantissa bits; 2**-127 in bf16 is a subnormal, the mantissa's top bit alone.
+BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(7)
+BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << 6)
 
 # GELU constants: tanh form sqrt(2/pi) and its cubic coefficient; erf form 1/sqrt(2).
 GELU_TANH_SCALE: tl.constexpr = tl.constexpr(0.7978845608028654)
@@ -96,13 +100,23 @@ def _operand_tiles(
 
 
 @triton.jit
+def scale_bf16(scale_bytes):
+    """bf16 2**(b - 127) of each E8M0 scale byte b, from its bits (b lands in bf16's exponent
+    field); 2**-127, a bf16 subnormal, for b = 0. b = 255 (NaN) gives +inf here: the caller
+    makes the rows and columns of such blocks NaN (a select per scale here would be repeated
+    for every element the scale multiplies: compiled for sm90, 16% of the K loop)."""
+    bits = tl.maximum(scale_bytes.to(tl.int32) << BF16_MANTISSA_BITS, BF16_SMALLEST_SCALE_BITS)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def expand_bf16(data, scale):
-    """The exact bf16 values of FP8 `data` times fp32 powers of two `scale` (broadcast against
-    it): an FP8 value is a bf16, and so is its product with a power of two, unless the
-    product's last bit falls below bf16's smallest subnormal 2**-133 (scale bytes below 3 for
-    e4m3, below 10 for e5m2) or it overflows, as the fp32 product would. Formed in fp32 and
-    cast: the Triton 3.9 interpreter multiplies bf16 values as their raw bits."""
-    return (data.to(tl.float32) * scale).to(tl.bfloat16)
+    """The bf16 values of FP8 `data` times bf16 powers of two `scale` (`scale_bf16`, broadcast
+    against it), exact: an FP8 value is a bf16, and so is its product with a power of two,
+    unless the product's last bit falls below bf16's smallest subnormal 2**-133 (scale bytes
+    below 3 for e4m3, below 10 for e5m2) or it overflows, as the fp32 product would. One packed
+    bf16 multiply per two elements on sm90 (the interpreter needs `interpreter_bf16_arithmetic`)."""
+    return data.to(tl.bfloat16) * scale
 
 
 @triton.jit
@@ -153,6 +167,9 @@ def mx_mm_kernel(
     # Phase 2: main loop over K; fp32 accumulator. K is a multiple of SCALE_BLOCK, so masked
     # lanes are whole scale blocks: data 0, scale byte E8M0_ONE (1.0), contributing exactly 0.
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    # expand_bf16: the rows of A and columns of B with a NaN block (scale byte 255).
+    nan_rows = offs_m < 0
+    nan_cols = offs_n < 0
     for k0 in range(0, K, BLOCK_K):
         if MAIN_LOOP == "dot_scaled":
             if USE_TMA:
@@ -194,23 +211,29 @@ def mx_mm_kernel(
                 # The block index as vectors (the interpreter rejects a scalar term in a mask).
                 kb_m = offs_m * 0 + kb
                 kb_n = offs_n * 0 + kb
-                a_scale = scale_fp32(tl.load(
+                a_scale = tl.load(
                     a_scale_ptr + offs_m * stride_asm + kb_m * stride_ask,
                     mask=mask_m & (kb_m < k_blocks), other=E8M0_ONE,
-                ))
-                b_scale = scale_fp32(tl.load(
+                )
+                b_scale = tl.load(
                     b_scale_ptr + kb_n * stride_bsk + offs_n * stride_bsn,
                     mask=mask_n & (kb_n < k_blocks), other=E8M0_ONE,
-                ))
+                )
                 if MAIN_LOOP == "expand_bf16":
                     # Hopper has no MX tensor cores: the block's exact bf16 values, multiplied
                     # by a bf16 MMA (wgmma on sm90) that accumulates in fp32.
-                    a16 = expand_bf16(a, a_scale[:, None])
-                    b16 = expand_bf16(b, b_scale[None, :])
+                    nan_rows |= a_scale == E8M0_NAN
+                    nan_cols |= b_scale == E8M0_NAN
+                    a16 = expand_bf16(a, scale_bf16(a_scale)[:, None])
+                    b16 = expand_bf16(b, scale_bf16(b_scale)[None, :])
                     acc = tl.dot(a16, b16, acc, out_dtype=tl.float32)
                 else:
                     partial = tl.dot(a, b, out_dtype=tl.float32)
-                    acc += (partial * a_scale[:, None]) * b_scale[None, :]
+                    acc += (partial * scale_fp32(a_scale)[:, None]) * scale_fp32(b_scale)[None, :]
+
+    if MAIN_LOOP == "expand_bf16":
+        # A NaN block makes its row (of A) or column (of B) of C NaN, as in the reference.
+        acc = tl.where(nan_rows[:, None] | nan_cols[None, :], float("nan"), acc)
 
     # Phase 3: fused epilogue, in fp32, the ops in the order EPILOGUE lists them.
     for i in tl.static_range(epilogue_length(EPILOGUE)):
