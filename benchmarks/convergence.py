@@ -1,12 +1,14 @@
 """Convergence over seeds: the built-in GPT trained on the offline Shakespeare corpus in high
-precision and in MXFP8 variants, several seeds each; validation loss on held-out text at fixed
-steps, mean ± std over seeds, and each variant's gap to the high-precision baseline with a 95%
-Welch t interval, and with a paired t interval over the seeds (a seed fixes the initial weights
-and the batch order in every variant, so per-seed differences cancel the variation they share).
+precision and in MXFP8 and FP4 (NVFP4, MXFP4) variants, several seeds each; validation loss on
+held-out text at fixed steps, mean ± std over seeds, and each variant's gap to the
+high-precision baseline with a 95% Welch t interval, and with a paired t interval over the seeds
+(a seed fixes the initial weights and the batch order in every variant, so per-seed differences
+cancel the variation they share). An ablation is also paired against its full recipe.
 
     python benchmarks/convergence.py --quick                       # tiny smoke run (the test's)
-    python benchmarks/convergence.py --size tiny --steps 1000 --seeds 0 1 2 \\
-        --precision fp32 --threads 1 --out benchmarks/results       # the README's figures
+    python benchmarks/convergence.py --size tiny --steps 1000 --seeds 0 1 2 --precision fp32 \\
+        --threads 1 --variants baseline mxfp8 nvfp4 nvfp4-no-rht nvfp4-no-sr nvfp4-no-2d \\
+        nvfp4-no-hp mxfp4 --out benchmarks/results/convergence_fp4   # the FP4 table (docs/fp4.md)
 
 Variants (same seed = same initial weights and same batch order in every variant):
   baseline      torch.compile's default backend, in --precision (bf16 autocast, or fp32)
@@ -22,6 +24,16 @@ Variants (same seed = same initial weights and same batch order in every variant
   torchao-mx    torchao's MXFP8 training recipe with its emulated kernels (fp32 master weights,
                 no autocast: torchao 0.18 fails under bf16 autocast); its one-line failure
                 reason is reported instead when it cannot run here
+  nvfp4         backend="nvfp4" with its defaults, NVIDIA's NVFP4 pre-training recipe (linear
+                layers' GEMMs in NVFP4, 16x16 weight blocks, RHT on the weight-gradient inputs,
+                stochastic rounding of gradients, the last 15% of linear layers and the lm_head
+                in high precision; attention in high precision)
+  nvfp4-no-rht  nvfp4 with rht=False            } ablations: each is also paired against nvfp4
+  nvfp4-no-sr   nvfp4 with stochastic_rounding=False  } (`compare_to`), to tell whether taking
+  nvfp4-no-2d   nvfp4 with weight_2d=False      } that part out makes it worse
+  nvfp4-no-hp   nvfp4 with high_precision_layers=0 (no layer kept, the lm_head included)
+  mxfp4         backend="mxfp4" with its defaults (MXFP4 GEMMs, round to nearest, no RHT, no
+                high-precision layers), also paired against nvfp4
 
 Validation: every --eval-every steps the trained weights are copied into a plain GPT and
 evaluated eagerly, in --precision, on the same --eval-batches batches of the validation split
@@ -64,6 +76,7 @@ EVAL_SEED = 1234  # fixed: every variant and seed is scored on the same validati
 PRECISIONS = ("bf16", "fp32")
 BASELINE = "baseline"
 TORCHAO = "torchao"
+NVFP4 = "nvfp4"
 RESULTS_NAME = "convergence.json"
 PLOT_NAME = "convergence.png"
 # Settings that must agree between result files before --merge combines them.
@@ -80,10 +93,14 @@ class Variant:
     backend: str
     options: Mapping[str, Any] | None = None
     broken_scales: bool = False  # run under `broken_scales` (a fault injection; mxfp8 only)
+    # Another variant this one is also paired against (an ablation against its full recipe).
+    compare_to: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a variant needs a name")
+        if self.compare_to == self.name:
+            raise ValueError(f"variant {self.name!r}: compare_to names the variant itself; name another one")
         if self.backend == TORCHAO and self.options is not None:
             raise ValueError(f"variant {self.name!r}: torchao takes no compile options")
         if self.broken_scales and self.backend != "mxfp8":
@@ -100,8 +117,18 @@ VARIANTS = (
     # quantize ops that broken_scales replaces.
     Variant("mx-broken", "mxfp8", {"attention": "off"}, broken_scales=True),
     Variant("torchao-mx", TORCHAO),
+    # The FP4 recipes (torch.compile options of backend="nvfp4" / "mxfp4"): NVIDIA's recipe
+    # with its defaults, each of its four parts switched off (paired against the full recipe),
+    # and MXFP4 with its defaults.
+    Variant(NVFP4, "nvfp4"),
+    Variant("nvfp4-no-rht", "nvfp4", {"rht": False}, compare_to=NVFP4),
+    Variant("nvfp4-no-sr", "nvfp4", {"stochastic_rounding": False}, compare_to=NVFP4),
+    Variant("nvfp4-no-2d", "nvfp4", {"weight_2d": False}, compare_to=NVFP4),
+    Variant("nvfp4-no-hp", "nvfp4", {"high_precision_layers": 0}, compare_to=NVFP4),
+    Variant("mxfp4", "mxfp4", compare_to=NVFP4),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 QUICK_VARIANTS = (BASELINE, "mxfp8")
 
 
@@ -323,8 +350,26 @@ def summarize(runs: Mapping[str, dict]) -> dict:
             "resolvable_percent": None if paired is None else
             100.0 * (paired["high"] - paired["low"]) / 2.0 / base_mean,
             "seconds_per_run": statistics.fmean(r["seconds"] for r in entry["runs"]),
+            "compared": compare_to_reference(name, runs),
         }
     return summary
+
+
+def compare_to_reference(name: str, runs: Mapping[str, dict]) -> dict | None:
+    """The paired interval of `name`'s final loss minus that of its `compare_to` variant (an
+    ablation minus its full recipe), absolute and in percent of the reference's mean; None when
+    the variant has no reference, or the reference did not run or has under 2 seeds in common."""
+    reference = VARIANTS_BY_NAME[name].compare_to if name in VARIANTS_BY_NAME else None
+    if reference is None or runs.get(reference, {}).get("status") != "ok":
+        return None
+    finals = {r["seed"]: r["val"][-1] for r in runs[reference]["runs"]}
+    paired = paired_interval({r["seed"]: r["val"][-1] for r in runs[name]["runs"]}, finals)
+    if paired is None or not all(math.isfinite(v) for v in finals.values()):
+        return None
+    ref_mean = statistics.fmean(finals[seed] for seed in paired["seeds"])
+    return {"reference": reference, "paired_gap": paired,
+            "paired_gap_percent": {k: 100.0 * paired[k] / ref_mean for k in ("diff", "low", "high")},
+            "separated": not paired["low"] <= 0.0 <= paired["high"], "worse": paired["low"] > 0.0}
 
 
 def eval_steps(settings: Mapping[str, Any]) -> list[int]:
@@ -363,6 +408,13 @@ def separation_statements(summary: Mapping[str, Any], base: str) -> list[str]:
     lines = [f"{name:12} paired gap {row['paired_gap_percent']['diff']:+.2f}%: "
              f"{'separated from' if row['separated'] else 'not separated from'} {base} "
              f"(interval {'excludes' if row['separated'] else 'contains'} 0)" for name, row in rows.items()]
+    for name, row in rows.items():
+        if (compared := row.get("compared")) is not None:
+            pct, verdict = compared["paired_gap_percent"], "not separated from"
+            if compared["separated"]:
+                verdict = "separated (worse) from" if compared["worse"] else "separated (better) from"
+            lines.append(f"{name:12} vs {compared['reference']}: paired gap {pct['diff']:+.2f}% "
+                         f"[{pct['low']:+.2f}, {pct['high']:+.2f}] of {compared['reference']}: {verdict} it")
     if rows:
         widths = {name: row["resolvable_percent"] for name, row in rows.items()}
         mx = f"mxfp8 ±{widths['mxfp8']:.2f}%, " if "mxfp8" in widths else ""

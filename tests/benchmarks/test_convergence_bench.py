@@ -1,9 +1,10 @@
 """benchmarks/convergence.py: the statistics it reports are the statistics of its own per-seed
-curves. `--quick` trains the baseline and mxfp8 over 3 seeds (every other variant's options are
-checked to build a valid MXConfig without training); the checks recompute each mean,
-std, gap and Welch interval from the per-seed validation curves with numpy/scipy, and read the
-plot's bands back from the figure. The interval function is checked against scipy's own Welch
-test, and --merge against the unsplit result."""
+curves. `--quick` trains the baseline and mxfp8 over 3 seeds, and nvfp4 for one seed (every
+other variant's options are checked to build a valid config without training); the checks
+recompute each mean, std, gap and Welch interval from the per-seed validation curves with
+numpy/scipy, and read the plot's bands back from the figure. The interval functions are checked
+against scipy's own t tests (an ablation's against its full recipe too), and --merge against
+the unsplit result."""
 
 from __future__ import annotations
 
@@ -171,6 +172,86 @@ def test_every_mxfp8_variant_is_a_valid_config() -> None:
     recipes = {(repr(configs[v.name]), v.broken_scales) for v in mx_variants}
     assert len(recipes) == len(configs)
     assert configs["mxfp8"] == MXConfig()
+
+
+def test_every_fp4_variant_is_its_recipe_with_one_switch_changed() -> None:
+    """The FP4 variants are torch.compile options of the nvfp4 / mxfp4 backends: the full
+    recipes are the defaults, and each nvfp4 ablation turns exactly one switch of the resolved
+    recipe off (so a typo'd or no-op option cannot pass for an ablation), paired against nvfp4."""
+    from mxcompile.config import FP4_SWITCHES, MXConfig
+
+    module = _module()
+    fp4 = {v.name: v for v in module.VARIANTS if v.backend in ("nvfp4", "mxfp4")}
+    assert set(fp4) == {"nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-no-hp", "mxfp4"}
+    settings = {name: MXConfig.for_recipe(v.backend, v.options).fp4 for name, v in fp4.items()}
+    assert settings["nvfp4"] == MXConfig.for_recipe("nvfp4").fp4
+    assert settings["mxfp4"] == MXConfig.for_recipe("mxfp4").fp4
+    full = settings["nvfp4"]
+    switched_off = {"nvfp4-no-rht": ("rht", False), "nvfp4-no-sr": ("stochastic_rounding", False),
+                    "nvfp4-no-2d": ("weight_2d", False), "nvfp4-no-hp": ("high_precision_layers", 0)}
+    for name, (switch, off) in switched_off.items():
+        assert fp4[name].compare_to == "nvfp4"
+        assert getattr(full, switch) != off and getattr(settings[name], switch) == off
+        assert all(getattr(settings[name], other) == getattr(full, other) for other in FP4_SWITCHES if other != switch)
+    names = {v.name for v in module.VARIANTS}
+    assert all(v.compare_to in names for v in module.VARIANTS if v.compare_to is not None)
+    with pytest.raises(ValueError, match="names the variant itself"):
+        module.Variant("x", "nvfp4", compare_to="x")
+
+
+@pytest.mark.slow
+def test_quick_nvfp4_trains_through_the_fp4_backend() -> None:
+    """A --quick-sized run of the nvfp4 variant (one seed, in process) trains its linear layers'
+    GEMMs in NVFP4 with the recipe's switches, as the report of its compiled graph says."""
+    import torch
+
+    import mxcompile
+    from mxcompile.examples.data import load_corpus, train_val_split
+    from mxcompile.report import CONVERTED
+
+    module = _module()
+    args = module.parse_args(["--quick", "--precision", "fp32"])
+    run = module.run_seed(module.VARIANTS_BY_NAME["nvfp4"], 0, args, *train_val_split(load_corpus(args.texts)))
+    report = mxcompile.reports()[-1]
+    torch._dynamo.reset()
+    assert len(run["val"]) == args.steps // args.eval_every and all(np.isfinite(run["val"]))
+    assert report.config["recipe"] == "nvfp4"
+    formats = {(d.kind, d.module): [o.elem for o in d.operands] for d in report.decisions if d.decision == CONVERTED}
+    assert formats[("weight_grad", "blocks.0.attn.qkv")] == ["nvfp4 sr rht", "nvfp4 rht"]
+    assert formats[("output", "blocks.0.attn.qkv")] == ["nvfp4", "nvfp4 2d"]
+    # The default high-precision selection at this size: the last of 8 linear layers and the lm_head.
+    assert {d.module for d in report.decisions if d.kind == "output" and d.decision != CONVERTED} == \
+        {"blocks.1.mlp.proj", "lm_head"}
+
+
+def test_an_ablation_is_paired_against_its_full_recipe() -> None:
+    """`compared`: the ablation's final loss minus the full recipe's on their common seeds, with
+    scipy's paired t interval, in percent of the full recipe's mean; "worse" only when the
+    interval lies above 0; None when the reference did not run."""
+    module = _module()
+    final = {"baseline": [2.50, 2.46, 2.53], "nvfp4": [2.52, 2.47, 2.55],
+             "nvfp4-no-sr": [2.60, 2.56, 2.62], "nvfp4-no-rht": [2.51, 2.49, 2.54]}
+    runs = {name: {"status": "ok", "runs": [{"seed": k, "val": [v], "seconds": 1.0} for k, v in enumerate(vals)]}
+            for name, vals in final.items()}
+    summary = module.summarize(runs)
+    assert summary["nvfp4"]["compared"] is None and summary["baseline"]["compared"] is None
+    for name, worse in (("nvfp4-no-sr", True), ("nvfp4-no-rht", False)):
+        compared = summary[name]["compared"]
+        expected = stats.ttest_rel(final[name], final["nvfp4"]).confidence_interval(0.95)
+        assert compared["reference"] == "nvfp4"
+        assert compared["paired_gap"]["low"] == pytest.approx(expected.low, rel=1e-12)
+        assert compared["paired_gap"]["high"] == pytest.approx(expected.high, rel=1e-12)
+        ref_mean = np.mean(final["nvfp4"])
+        assert compared["paired_gap_percent"]["diff"] == pytest.approx(
+            100 * (np.mean(final[name]) - ref_mean) / ref_mean, rel=1e-12)
+        assert compared["worse"] is worse and compared["separated"] is worse
+    lines = module.separation_statements(summary, "fp32")
+    pct = summary["nvfp4-no-sr"]["compared"]["paired_gap_percent"]
+    assert (f"nvfp4-no-sr  vs nvfp4: paired gap {pct['diff']:+.2f}% [{pct['low']:+.2f}, {pct['high']:+.2f}] "
+            "of nvfp4: separated (worse) from it") in lines
+    assert any(l.startswith("nvfp4-no-rht vs nvfp4: ") and l.endswith("not separated from it") for l in lines)
+    without_reference = {name: entry for name, entry in runs.items() if name != "nvfp4"}
+    assert module.summarize(without_reference)["nvfp4-no-sr"]["compared"] is None
 
 
 def test_welch_interval_matches_scipy() -> None:
