@@ -32,14 +32,27 @@ def _forward_saves(report: Report) -> set[str]:
     return {row["name"] for row in report.saved_tensors_after}
 
 
+@pytest.fixture(scope="module")
+def explained():
+    """recipe -> explain's report of the quickstart model under it (each made once, when asked)."""
+    reports: dict[str, Report] = {}
+
+    def report(recipe: str) -> Report:
+        if recipe not in reports:
+            model, x = _quickstart()
+            reports[recipe] = mxcompile.explain(model, x, config=MXConfig.for_recipe(recipe))
+        return reports[recipe]
+
+    return report
+
+
 @pytest.mark.parametrize("recipe", FP4_RECIPES)
-def test_forward_saves_weight_gradient_operands_in_fp4(recipe):
+def test_forward_saves_weight_gradient_operands_in_fp4(explained, recipe):
     """Both weight gradients' X operands (the input, the GELU output) are saved packed, quantized
     along the tokens (the weight gradient's contraction), with the random Hadamard transform
     under nvfp4 (applied in the forward, before quantizing): the values the backward's GEMM
     reads. Neither activation is saved in high precision for them."""
-    model, x = _quickstart()
-    report = mxcompile.explain(model, x, config=MXConfig.for_recipe(recipe))
+    report = explained(recipe)
     rows = report.saved_quantized
     assert [row["shape"] for row in rows] == [[ROWS, HIDDEN], [ROWS, WIDTH]], rows
     saved = _forward_saves(report)
@@ -58,17 +71,15 @@ def test_forward_saves_weight_gradient_operands_in_fp4(recipe):
 
 
 @pytest.mark.parametrize("recipe", FP4_RECIPES)
-def test_training_report_shows_the_saved_fp4_bytes(recipe):
+def test_training_report_shows_the_saved_fp4_bytes(explained, recipe):
     """report_of(model) after a training step: the saved activations and their FP4 operands, as
     explain reports them."""
     model, x = _quickstart()
     compiled = torch.compile(model, backend=recipe)
     compiled(x).square().mean().backward()
     (report,) = mxcompile.report_of(model)
-    model, x = _quickstart()
-    explained = mxcompile.explain(model, x, config=MXConfig.for_recipe(recipe))
-    assert report.saved_bytes_after == explained.saved_bytes_after > 0
-    assert report.saved_by_format() == explained.saved_by_format()
+    assert report.saved_bytes_after == explained(recipe).saved_bytes_after > 0
+    assert report.saved_by_format() == explained(recipe).saved_by_format()
     assert report.saved_by_format()[recipe]["to_bf16"] <= MAX_TO_BF16
 
 
