@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .config import OperandFormat
+from .numerics.formats import E2M1
 from .step_coverage import StepCoverage
 
 # 2: the FP4 recipes (issue 48): `decision` "mxfp8" means converted, to the block format that
@@ -22,9 +24,8 @@ REPORT_SCHEMA_VERSION = 2
 
 CONVERTED = "mxfp8"  # the decision of a converted GEMM, whatever its block format (`GemmDecision.format`)
 KEPT = "kept"
-# The format family (`GemmDecision.format`) of a block format row whose name does not start
-# with one of the FP4 families: the MXFP8 rows (mxfp8_e4m3, mxfp8_e5m2, ..._block16).
-FP4_FAMILIES = ("nvfp4", "mxfp4")
+# The format family (`GemmDecision.format`) of every MXFP8 block format row (mxfp8_e4m3,
+# mxfp8_e5m2, ..._block16); an FP4 row (E2M1 elements) is its own family (nvfp4, mxfp4).
 MXFP8_FAMILY = "mxfp8"
 
 
@@ -50,8 +51,8 @@ class OperandQuantization:
     rht: bool = False  # random Hadamard transform along `axis` before quantization
 
     @classmethod
-    def of(cls, name: str, shape: tuple[int, ...], axis: int, fmt: Any) -> "OperandQuantization":
-        """The row of an operand quantized in `fmt` (a `config.OperandFormat`)."""
+    def of(cls, name: str, shape: tuple[int, ...], axis: int, fmt: OperandFormat) -> "OperandQuantization":
+        """The row of an operand quantized in `fmt`."""
         row = fmt.block_format
         elem = fmt.describe() if fmt.is_fp4 else row.elem.name
         return cls(name, tuple(shape), axis, elem, format=row.name, element=row.elem.name,
@@ -61,7 +62,7 @@ class OperandQuantization:
     @property
     def family(self) -> str:
         """"nvfp4", "mxfp4" or "mxfp8" (every MXFP8 row, whatever its element or block size)."""
-        return next((f for f in FP4_FAMILIES if self.format.startswith(f)), MXFP8_FAMILY)
+        return self.format if self.element == E2M1.name else MXFP8_FAMILY
 
     def describe(self) -> str:
         """The format in a few words: family, element/block size/scale format, then its options,
