@@ -37,7 +37,7 @@ class GemmKernel(NamedEnum):
     comparison). `DEQUANTIZED`: Inductor's GEMM (cuBLAS) of the operands dequantized to bf16
     (fp32 for fp32 outputs), which is exact, so the products are the MX products. `AUTO`:
     `TRITON` where the GPU has MX tensor cores, `DEQUANTIZED` elsewhere, sm90 included: compiled
-    for sm90 without a GPU, even the expand_bf16 loop issues 6.1x the instructions per product
+    for sm90 without a GPU, even the expand_bf16 loop issues 4.9x the instructions per product
     of a plain bf16 `tl.dot` GEMM with the same tiles (`benchmarks/kernel_static.py`,
     `gemm_comparison` in benchmarks/results/kernel_static.json, 2026-12-07), and cuBLAS on
     exactly dequantized operands is a bf16 GEMM; on an H200 the Triton MX GEMM step ran 5.37x

@@ -258,11 +258,13 @@ def resolve_gemm_path(path: str, block_size: int, capability: tuple[int, int] | 
     "auto": "fp8_per_block" for blocks other than tl.dot_scaled's MX group of 32; else
     "expand_bf16" on sm90 and "dot_scaled" elsewhere (sm100+: block-scaled tensor-core MMA).
     The sm90 rule is a static comparison, decided without a GPU (`benchmarks/kernel_static.py`,
-    the `gemm_sm90` rows of benchmarks/results/kernel_static.json, 2026-12-07): compiled for
-    sm90 with the same autotune configs, the expand_bf16 loop's chosen config issues fewer
-    instructions per product than dot_scaled's (Triton's own upcast of the operands to bf16)
-    and spills nothing; both load the same FP8 bytes. Before it, "auto" took tl.dot_scaled on
-    sm90 too: on an H200 (2026-12-04) it ran at 193-194 TFLOP/s against fp8_per_block's 120."""
+    `targets.sm90.gemm_comparison` in benchmarks/results/kernel_static.json, 2026-12-07):
+    compiled for sm90 with the same autotune configs and each path's static choice (fewest
+    spills, then fewest instructions), the expand_bf16 loop issues 0.52x the instructions per
+    product of dot_scaled's (Triton's own upcast of the operands to bf16, whose larger tiles
+    spill) and spills nothing; both load the same FP8 bytes. Untimed on a GPU so far
+    (`benchmarks/gpu_session.sh` times both). Before it, "auto" took tl.dot_scaled on sm90
+    too: on an H200 (2026-12-04) it ran at 193-194 TFLOP/s against fp8_per_block's 120."""
     if path == "auto":
         if block_size != 32:
             return "fp8_per_block"
