@@ -12,16 +12,17 @@ loop by class (per warp and iteration; the whole kernel for quantize, which has 
 
 Chosen config: every autotune config of a kernel is compiled (`--first-config`: only the first,
 the Triton tutorial's shape) and the static choice taken (`kernel_static.static_choice`: fewest
-spilled bytes, then fewest instructions issued per element). The bf16 flash-attention
-reference (`triton_templates/flash_attention.py`) is compiled with the chosen tiles, warps and
-stages of the MX kernel it stands beside; the chosen configs are compiled causal too.
+spilled bytes, then fewest instructions issued per element; for an attention kernel the first
+in that order whose causal compile spills nothing either). The bf16 flash-attention reference
+(`triton_templates/flash_attention.py`) is compiled with the chosen tiles, warps and stages of
+the MX kernel it stands beside; the chosen configs are compiled causal too.
 
 The figure: instructions issued per KV tile, MX against bf16 (`kernel_static.issued_per_element`,
 per score element: loop instructions x warps / (BLOCK_M x BLOCK_N)); the backward's is the sum
 of its dK/dV and dQ kernels'. The MX GEMM's main loops are compared per product (loop
 instructions x warps / (BLOCK_M x BLOCK_N x BLOCK_K)) with each other and with a plain bf16
 `tl.dot` GEMM compiled with the same tiles (`gemm_comparison`; `--gemm-only` recompiles just
-these rows into an existing results file). A static proxy: it counts instructions, not their latency or the
+these rows into an existing results file, `--attention-only` the attention rows). A static proxy: it counts instructions, not their latency or the
 memory traffic, and a spilling kernel's local loads and stores count as instructions.
 """
 
@@ -67,6 +68,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--gemm-only", action="store_true",
                    help="compile only the GEMM kernels and replace their entries in --out's file")
+    p.add_argument("--attention-only", action="store_true",
+                   help="compile only the attention kernels and replace their entries in --out's file")
     return p.parse_args()
 
 
@@ -133,23 +136,51 @@ def _scores(tiles: dict[str, int]) -> int:
     return tiles["BLOCK_M"] * tiles["BLOCK_N"]
 
 
+def _attention_choice(sm: int, label: str, noncausal: tuple[str, Any], causal: tuple[str, Any],
+                      candidates: list[Any]) -> tuple[list[dict[str, Any]], int, KernelStatic]:
+    """Every candidate compiled non-causal (a row each); the choice: in the order of
+    `static_choice` (fewest spilled bytes, then fewest instructions issued per element), the
+    first whose causal compile spills nothing either (else the fewest causal spills). Returns
+    (records, chosen index, the chosen config's causal figures)."""
+    rows = []
+    for config in candidates:
+        static = compile_static(noncausal[1], noncausal[0], config.kwargs, sm, config.num_warps, config.num_stages)
+        rows.append((config, static, issued_per_element(static, config.num_warps, _scores(config.kwargs))))
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][1].spill_bytes, rows[i][2]))
+    tried: dict[int, KernelStatic] = {}
+    for i in order:
+        config = rows[i][0]
+        tried[i] = compile_static(causal[1], causal[0], config.kwargs, sm, config.num_warps, config.num_stages)
+        if rows[i][1].spill_bytes == 0 and tried[i].spill_bytes == 0:
+            break
+    chosen = min(tried, key=lambda i: (rows[i][1].spill_bytes + tried[i].spill_bytes, order.index(i)))
+    for i, (config, static, issued) in enumerate(rows):
+        print(_row(sm, label, config, static, issued, "*" if i == chosen else ""), flush=True)
+    return [_record(*row) for row in rows], chosen, tried[chosen]
+
+
 def attention_report(sm: int, head_dim: int, first_only: bool) -> dict[str, Any]:
-    """Every MX attention config swept non-causal; the chosen one compiled beside the bf16
-    reference, non-causal and causal; the per-KV-tile instruction ratios."""
+    """Every MX attention config swept non-causal and the choice made spill-free causal too
+    (`_attention_choice`); the chosen one compiled beside the bf16 reference, non-causal and
+    causal; the per-KV-tile instruction ratios."""
     by_causal = {causal: launchers(head_dim, causal) for causal in (False, True)}
     result: dict[str, Any] = {}
     issued: dict[tuple[str, str, bool], float] = {}  # (mx | bf16, kernel, causal)
     for kernel in ATTENTION:
         mx, bf16 = f"mx_attention_{kernel}", f"bf16_attention_{kernel}"
         candidates = _attention_configs(kernel)[: 1 if first_only else None]
-        records, chosen = _sweep(sm, f"{mx} d{head_dim}", *by_causal[False][mx], candidates, _scores)
+        records, chosen, mx_causal = _attention_choice(sm, f"{mx} d{head_dim}", by_causal[False][mx],
+                                                       by_causal[True][mx], candidates)  # fmt: skip
         result[mx], result[bf16] = {"configs": records, "chosen": chosen}, {}
         issued[("mx", kernel, False)] = records[chosen]["issued_per_element"]
         config = candidates[chosen]
         for causal, label in ((False, bf16), (True, mx), (True, bf16)):
             kernel_name, launch = by_causal[causal][label]
-            static = compile_static(launch, kernel_name, config.kwargs, sm, config.num_warps,
-                                    config.num_stages)  # fmt: skip
+            if label == mx:
+                static = mx_causal
+            else:
+                static = compile_static(launch, kernel_name, config.kwargs, sm, config.num_warps,
+                                        config.num_stages)  # fmt: skip
             value = issued_per_element(static, config.num_warps, _scores(config.kwargs))
             tag = f"{label} {'causal ' if causal else ''}d{head_dim}"
             print(_row(sm, tag, config, static, value, ""), flush=True)
@@ -250,13 +281,16 @@ def main() -> int:
             "attention": "16 heads x 4096 tokens, bf16 backward inputs",
             "gemm_quantize": "4096^2",
         },
-        "choice": "fewest spilled bytes, then fewest instructions issued per element",
+        "choice": ("fewest spilled bytes, then fewest instructions issued per element; an attention kernel: "
+                   "the first in that order whose causal compile spills nothing either"),
         "first_config_only": args.first_config,
         "targets": {},
     }
     print(_header())
     if args.gemm_only:
-        return _update_gemm_rows(args, started)
+        return _update_rows(args, started, "--gemm-only")
+    if args.attention_only:
+        return _update_rows(args, started, "--attention-only")
     for sm in args.capabilities:
         target: dict[str, Any] = {}
         for head_dim in args.head_dims:
@@ -273,25 +307,39 @@ def main() -> int:
     return 0
 
 
-def _update_gemm_rows(args: argparse.Namespace, started: float) -> int:
-    """--gemm-only: the GEMM entries of each target, replaced in the results file `--out`
-    (the other kernels' entries kept as they are)."""
+def _is_gemm_key(key: str) -> bool:
+    return key.startswith("mx_gemm_") or key == "gemm_comparison"
+
+
+def _is_attention_key(key: str) -> bool:
+    return key.startswith("head_dim_")
+
+
+def _update_rows(args: argparse.Namespace, started: float, flag: str) -> int:
+    """--gemm-only / --attention-only: those entries of each target, replaced in the results
+    file `--out` (the other kernels' entries kept as they are)."""
     if args.out is None or not args.out.exists():
-        print("--gemm-only updates an existing results file: pass --out FILE", file=sys.stderr)
+        print(f"{flag} updates an existing results file: pass --out FILE", file=sys.stderr)
         return 2
     report = json.loads(args.out.read_text())
+    is_row = _is_gemm_key if flag == "--gemm-only" else _is_attention_key
     for sm in args.capabilities:
         target = report["targets"].setdefault(f"sm{sm}", {})
-        for key in [k for k in target if k.startswith("mx_gemm_") or k == "gemm_comparison"]:
+        for key in [k for k in target if is_row(k)]:
             del target[key]
-        target.update(gemm_report(sm, args.first_config))
-    report["gemm_rows"] = {
+        if flag == "--gemm-only":
+            target.update(gemm_report(sm, args.first_config))
+        else:
+            for head_dim in args.head_dims:
+                target[f"head_dim_{head_dim}"] = attention_report(sm, head_dim, args.first_config)
+    rows = "gemm_rows" if flag == "--gemm-only" else "attention_rows"
+    report[rows] = {
         "command": ["python", "benchmarks/kernel_static.py", *sys.argv[1:]],
         "date": datetime.date.today().isoformat(),
         "seconds": round(time.time() - started, 1),
     }
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"GEMM rows compiled in {report['gemm_rows']['seconds']} s; updated {args.out}")
+    print(f"{rows} compiled in {report[rows]['seconds']} s; updated {args.out}")
     return 0
 
 
