@@ -52,19 +52,25 @@ def operand_formats(decision: GemmDecision) -> str:
 
 
 def decisions_table(report: Report) -> Table:
+    """Every decision with its reason; the operand-formats column only when the operands'
+    formats differ within the report (an FP4 recipe's roles, MXFP8 with e5m2 gradients): one
+    format everywhere (plain MXFP8) is in the totals and would only narrow the reasons."""
+    formats = {o.describe() for d in report.decisions for o in d.operands}
+    columns = [("graph", "left", False), ("node", "left", False), ("kind", "left", False), ("module", "left", False),
+               ("shapes", "left", False), ("FLOPs", "right", False), ("decision", "left", False)]
+    columns += [(FORMATS_COLUMN, "left", True)] if len(formats) > 1 else []
+    columns += [("reason", "left", True)]
     table = Table(title="GEMM and attention decisions", show_lines=False, expand=False)
-    for column, justify, wrap in (("graph", "left", False), ("node", "left", False), ("kind", "left", False),
-                                  ("module", "left", False), ("shapes", "left", False), ("FLOPs", "right", False),
-                                  ("decision", "left", False), (FORMATS_COLUMN, "left", True),
-                                  ("reason", "left", True)):
+    for column, justify, wrap in columns:
         table.add_column(column, justify=justify, no_wrap=not wrap, overflow="fold",  # type: ignore[arg-type]
                          max_width=FORMATS_MAX_WIDTH if column == FORMATS_COLUMN else None)
     for d in report.decisions:
-        table.add_row(d.graph, d.node, d.kind, d.module or "—", format_shapes(d.shapes),
-                      format_flops(d.flops), Text(decision_label(d), style=decision_style(d.decision)),
-                      operand_formats(d), d.reason)
+        cells = [d.graph, d.node, d.kind, d.module or "—", format_shapes(d.shapes), format_flops(d.flops),
+                 Text(decision_label(d), style=decision_style(d.decision))]
+        cells += [operand_formats(d)] if len(formats) > 1 else []
+        table.add_row(*cells, d.reason)
     if not report.decisions:
-        table.add_row("—", "—", "—", "—", "—", "—", "—", "—", "no GEMM or attention node found")
+        table.add_row(*["—"] * (len(columns) - 1), "no GEMM or attention node found")
     return table
 
 

@@ -13,7 +13,9 @@ from rich.console import Console
 
 from mxcompile.cli.kernels import NO_KERNELS_ON_CPU
 from mxcompile.cli.main import main
-from mxcompile.cli.views import graph_code
+from mxcompile.cli.views import FORMATS_COLUMN, decisions_table, graph_code
+from mxcompile.config import MXConfig
+from mxcompile.report import CONVERTED, GemmDecision, OperandQuantization, Report
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 WIDE = "400"  # console columns for tests that read whole table cells
@@ -121,3 +123,20 @@ def test_backend_and_a_contradicting_recipe_are_refused(user_target: Path,
     assert main(["inspect", f"{user_target}:make", "--backend", "nvfp4", "--config", "recipe=mxfp4"]) == 2
     err = capsys.readouterr().err
     assert "recipe='mxfp4' contradicts the backend's recipe 'nvfp4'" in err, err
+
+
+def test_formats_column_only_where_formats_differ() -> None:
+    """A report whose operands all share one format (plain MXFP8) shows no operand-formats
+    column; e5m2 gradients beside e4m3 activations do."""
+    def rendered(config: MXConfig) -> str:
+        operands = tuple(OperandQuantization.of(n, (32, 32), 1, config.mx_operand_format(elem))
+                         for n, elem in (("dy", config.grad_elem), ("w", config.forward_elem)))
+        decision = GemmDecision("backward", "mm", "aten.mm.default", "input_grad", ((32, 32), (32, 32)), 1, "m",
+                                CONVERTED, "why", operands)
+        console = Console(width=int(WIDE), record=True)
+        console.print(decisions_table(Report(config.to_dict(), [decision])))
+        return console.export_text()
+
+    assert FORMATS_COLUMN not in rendered(MXConfig())
+    mixed = rendered(MXConfig(grad_elem="e5m2"))
+    assert FORMATS_COLUMN in mixed and "mxfp8 e5m2/32/E8M0" in mixed and "mxfp8 e4m3/32/E8M0" in mixed
