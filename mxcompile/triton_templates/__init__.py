@@ -23,7 +23,7 @@ Direct use (the public `kernel=` switch of mxcompile is wired by the caller):
     quantize_mx_triton_rowcol(x, ...) -> (row data, row scales, col data, col scales)
     mx_mm_triton(a, a_scale, b, b_scale, block_size, out_dtype, epilogue=..., ...)
     mx_attention_triton(q, q_scale, k, k_scale, v, v_scale, ..., return_lse=...)
-    mx_attention_backward_triton(q, k, v, out, grad_out, lse, ...) -> (dq, dk, dv)
+    mx_attention_backward_triton(operands, out, grad_out, lse, ...) -> (dq, dk, dv)
 Each raises RuntimeError("the MX Triton kernels cannot run: <reason>") when triton_available
 says no, and ValueError for bad arguments, before anything reaches Triton.
 
