@@ -362,7 +362,7 @@ def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
         paths += [("expand_bf16", "expand_bf16", False), ("fp8_per_block", "fp8_per_block", False)]
     for path, main_loop, tma in paths:
         launch = functools.partial(gemm, path=main_loop, use_tma=tma)
-        launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs()]
+        launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs(tma, main_loop)]
     launches += [("mx_attention_fwd_kernel", c, forward) for c in attention_autotune_configs()]
     for name in ("dkdv", "dq"):
         configs = attention_backward_autotune_configs(name)

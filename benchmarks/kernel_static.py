@@ -225,12 +225,12 @@ def gemm_report(sm: int, first_only: bool) -> dict[str, Any]:
     there (`triton_templates.resolve_gemm_path`): instructions issued and global bytes loaded
     per product, each path's chosen config."""
     kernels = launchers(64, False)
-    gemm_configs = configs.mx_mm_autotune_configs()[: 1 if first_only else None]
     paths = ["dot_scaled"] + (["expand_bf16", "fp8_per_block"] if sm < 100 else [])
     result: dict[str, Any] = {}
     comparison: dict[str, Any] = {}
     for path in paths:
         label = f"mx_gemm_{path}"
+        gemm_configs = configs.mx_mm_autotune_configs(path=path)[: 1 if first_only else None]
         records, chosen = _sweep(sm, label, *kernels[label], gemm_configs, _products)
         config = gemm_configs[chosen]
         reference_name, reference_launch = kernels["bf16_gemm"]

@@ -61,29 +61,39 @@ def set_tma_boxes(nargs: dict[str, Any]) -> None:
     nargs["b_desc"].block_shape = b_box
 
 
-def mx_mm_autotune_configs(tma: bool = False) -> list[triton.Config]:
-    """Tile configs of the MX GEMM kernel (the Triton matmul tutorial's FP8 list); for the TMA
+# The largest BLOCK_M of the expand_bf16 main loop's configs: compiled for sm90 (2026-12-07,
+# `gpu_kernels.py --pipelining 90`), its two 256-row tiles spill registers (8 and 32 bytes per
+# thread), the other six nothing.
+EXPAND_BF16_MAX_BLOCK_M = 128
+
+
+def mx_mm_autotune_configs(tma: bool = False, path: str = "dot_scaled") -> list[triton.Config]:
+    """Tile configs of the MX GEMM kernel's main loop `path` (the Triton matmul tutorial's FP8
+    list; for expand_bf16 without the tiles over EXPAND_BF16_MAX_BLOCK_M rows); for the TMA
     variant each with the pre-hook that sizes its boxes (`set_tma_boxes`). Only there: Triton
     does not cache the timings of configs with a pre-hook on disk (it cannot serialize them),
     so the TMA variant is timed again in every process. Compiled for sm100 without a GPU, the
     configs with BLOCK_M 128 or 256 lower tl.dot_scaled to the block-scaled MMA
     (`tcgen05.mma ... kind::mxf8f6f4.block_scale.block32`); the two with BLOCK_M 64 upcast the
     operands to bf16 (`kind::f16`) as on sm90 (seen 2026-12-07, Triton 3.9)."""
+    shapes = [
+        (128, 256, 128, 3, 8),
+        (256, 128, 128, 3, 8),
+        (256, 64, 128, 4, 4),
+        (64, 256, 128, 4, 4),
+        (128, 128, 128, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 32, 64, 4, 4),
+    ]
+    if path == "expand_bf16":
+        shapes = [shape for shape in shapes if shape[0] <= EXPAND_BF16_MAX_BLOCK_M]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,
             pre_hook=set_tma_boxes if tma else None,
         )
-        for bm, bn, bk, s, w in [
-            (128, 256, 128, 3, 8),
-            (256, 128, 128, 3, 8),
-            (256, 64, 128, 4, 4),
-            (64, 256, 128, 4, 4),
-            (128, 128, 128, 4, 4),
-            (128, 64, 64, 4, 4),
-            (64, 128, 64, 4, 4),
-            (128, 32, 64, 4, 4),
-        ]
+        for bm, bn, bk, s, w in shapes
     ]
 
 

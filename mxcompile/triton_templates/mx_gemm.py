@@ -148,10 +148,10 @@ def _descriptors(a: torch.Tensor, b: torch.Tensor, tiles: dict[str, int]) -> tup
 
 
 @functools.cache
-def _autotuned(block_size: int, tma: bool) -> Any:
+def _autotuned(block_size: int, tma: bool, path: str) -> Any:
     configs = [
         c
-        for c in mx_mm_autotune_configs(tma)
+        for c in mx_mm_autotune_configs(tma, path)
         if c.kwargs["BLOCK_K"] % block_size == 0 and c.kwargs["BLOCK_N"] % block_size == 0
     ]
     if not configs:
@@ -284,7 +284,7 @@ def mx_mm_launch(
     if m == 0 or n == 0:  # nothing to compute; Triton rejects an empty grid
         return c, q_data, q_scale
     if fixed_tiles is None:
-        kernel = _autotuned(block_size, use_tma)
+        kernel = _autotuned(block_size, use_tma, path)
     else:
         kernel = kernel_module("mx_gemm", interpret=interpret).mx_mm_kernel
         meta.update(fixed_tiles)
