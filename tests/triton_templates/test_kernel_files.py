@@ -89,8 +89,9 @@ def test_specialisations_are_validated() -> None:
     with pytest.raises(ValueError):
         AttentionBackwardKey(scale_mode="nearest")
     assert AttentionBackwardKey("e4m3", "e5m2").meta() == {
-        "FWD_ELEM": "e4m3", "GRAD_ELEM": "e5m2", "SCALE_MODE": "rceil", "CAST": "software",
+        "FWD_ELEM": "e4m3", "GRAD_ELEM": "e5m2", "SCALE_MODE": "rceil",
     }  # fmt: skip
+    assert AttentionBackwardKey("e4m3", "e5m2").meta("dq") == {"GRAD_ELEM": "e5m2", "SCALE_MODE": "rceil"}
 
 
 def test_epilogue_spec_is_read_at_specialisation() -> None:
