@@ -319,8 +319,10 @@ def build_problem(
             recompute_work_bytes=max(0, replay_peak_bytes(closure) - node_bytes(node)),
         ))
     held = [(n, t) for n, t in zip(saved, tensors) if t.nbytes > 0]
-    ties = _storage_groups([n for n, _ in held])
-    tensors = _share_lifetimes(_count_whole_storages(tensors, [n for n, _ in held]), ties)
+    siblings = _output_groups([n for n, _ in held])
+    ties = _merged_groups([*_storage_groups([n for n, _ in held]), *siblings])
+    tensors = _count_whole_storages(_replayed_once(tensors, siblings), [n for n, _ in held])
+    tensors = _share_lifetimes(tensors, ties)
     problem = Problem(
         steps=tuple(steps),
         tensors=tuple(tensors),
@@ -375,6 +377,48 @@ def _by_storage(saved: Sequence[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
 def _storage_groups(saved: Sequence[fx.Node]) -> tuple[tuple[str, ...], ...]:
     """Names of saved tensors sharing one storage, for every storage held by two or more."""
     return tuple(tuple(n.name for n in views) for views in _by_storage(saved).values() if len(views) > 1)
+
+
+def _output_groups(saved: Sequence[fx.Node]) -> tuple[tuple[str, ...], ...]:
+    """Names of saved outputs of one op with several outputs (``getitem`` of an op that is not a
+    view: a quantize op's data, scales and tensor scale; an attention op's output and row
+    statistics), for every op with two or more of them saved. Recomputing any of them replays
+    the whole op, so they take one decision (see :func:`_replayed_once`)."""
+    by_op: dict[fx.Node, list[fx.Node]] = {}
+    for node in saved:
+        if (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+                and not is_alias(node.args[0])):
+            by_op.setdefault(node.args[0], []).append(node)
+    return tuple(tuple(n.name for n in outputs) for outputs in by_op.values() if len(outputs) > 1)
+
+
+def _replayed_once(tensors: list[SavedTensor], groups: Sequence[Sequence[str]]) -> list[SavedTensor]:
+    """The outputs of one op recomputed together replay it once (the rewrite copies a closure
+    once per step, :func:`mxcompile.passes.memory_plan.apply_recompute`): its time and its
+    intermediates stay on the first of them, the others cost nothing more."""
+    index = {t.name: i for i, t in enumerate(tensors)}
+    priced = list(tensors)
+    for group in groups:
+        for name in group[1:]:
+            priced[index[name]] = replace(priced[index[name]], recompute_cost_s=0.0, recompute_work_bytes=0)
+    return priced
+
+
+def _merged_groups(groups: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    """``groups`` with every two that share a name merged (a saved view of a saved output ties
+    to its storage and, through it, to the op's other outputs), in order of first appearance."""
+    merged: list[list[str]] = []
+    for group in groups:
+        overlapping = [i for i, m in enumerate(merged) if set(m) & set(group)]
+        if not overlapping:
+            merged.append(list(dict.fromkeys(group)))
+            continue
+        first = merged[overlapping[0]]
+        for name in [n for i in overlapping[1:] for n in merged[i]] + list(group):
+            if name not in first:
+                first.append(name)
+        merged = [m for i, m in enumerate(merged) if i not in overlapping[1:]]
+    return tuple(tuple(m) for m in merged)
 
 
 def _count_whole_storages(tensors: list[SavedTensor], held: Sequence[fx.Node]) -> list[SavedTensor]:

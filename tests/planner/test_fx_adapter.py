@@ -17,7 +17,8 @@ from mxcompile.ops.attention import ATTENTION
 from mxcompile.ops.mx_mm import MX_MM
 from mxcompile.planner import plan_activation_memory
 from mxcompile.planner.budget import MemoryBudget
-from mxcompile.planner.fx_adapter import MemoryModel, build_problem, fused_nodes
+from mxcompile.planner.fx_adapter import MemoryModel, _merged_groups, _replayed_once, build_problem, fused_nodes
+from mxcompile.planner.problem import SavedTensor
 
 M, K, N = 64, 32, 48
 
@@ -207,3 +208,49 @@ def test_each_lowering_times_an_mx_gemm_as_it_runs_it() -> None:
     assert MemoryModel.FUSED_POINTWISE.run_time_s(nodes, profile) == fused_run_time_s(nodes, profile)
     op_by_op = sum(node_time_s(n, profile) for n in nodes) + dequantize_s  # summed in another order
     assert MemoryModel.OP_BY_OP.run_time_s(nodes, profile) == pytest.approx(op_by_op, rel=1e-12)
+
+
+# Saved outputs of one op take one decision and replay the op once: a quantize op's data, scales
+# and tensor scale (an FP4 operand, issue 48), a layer norm's statistics.
+
+
+def _saved(name: str, cost: float, work: int) -> SavedTensor:
+    return SavedTensor(name=name, nbytes=16, produced_at=0, last_forward_use=0, first_backward_use=2,
+                       last_backward_use=2, recompute_cost_s=cost, recompute_work_bytes=work)
+
+
+def test_one_replay_priced_on_the_first_output():
+    tensors = [_saved("data", 3.0, 100), _saved("scale", 3.0, 90), _saved("other", 1.0, 10)]
+    priced = _replayed_once(tensors, [("data", "scale")])
+    assert [(t.recompute_cost_s, t.recompute_work_bytes) for t in priced] == [(3.0, 100), (0.0, 0), (1.0, 10)]
+    assert _replayed_once(tensors, []) == tensors
+
+
+def test_groups_sharing_a_name_merge_in_order_of_first_appearance():
+    groups = [("a", "b"), ("c", "d"), ("e", "f"), ("b", "e")]
+    assert _merged_groups(groups) == (("a", "b", "e", "f"), ("c", "d"))
+    assert _merged_groups([("a", "b"), ("c",)]) == (("a", "b"), ("c",))
+    assert _merged_groups([]) == ()
+
+
+def _normed(x, w):
+    return torch.nn.functional.layer_norm(x @ w, (N,)) @ w.t()
+
+
+def test_saved_outputs_of_one_op_are_one_decision_priced_once():
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(K, N, requires_grad=True)
+    fw, bw, n_out = partitioned(_normed, x, w)
+    adapted = build_problem(fw, bw, num_fwd_outputs=n_out, param_input_indices=[1], profile=H100_SXM)
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    by_op: dict = {}
+    for t in adapted.problem.tensors:
+        node = fw_nodes[t.name]
+        if node.target is operator.getitem:
+            by_op.setdefault(node.args[0].name, []).append(t)
+    (statistics,) = [ts for ts in by_op.values() if len(ts) > 1]  # the layer norm's mean and rstd
+    assert tuple(t.name for t in statistics) in adapted.tie_groups
+    assert statistics[0].recompute_cost_s > 0 and statistics[0].recompute_work_bytes >= 0
+    assert all(t.recompute_cost_s == 0 and t.recompute_work_bytes == 0 for t in statistics[1:])
+    lifetimes = {(t.produced_at, t.last_forward_use, t.first_backward_use, t.last_backward_use) for t in statistics}
+    assert len(lifetimes) == 1
