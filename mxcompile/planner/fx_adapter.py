@@ -17,7 +17,9 @@ Saved tensors (the decision variables)
     non-tensors (SymInts). A saved *view of a parameter* (e.g. ``t(weight)``) is listed with
     0 bytes (it shares the parameter's storage). Saved views of one storage (q, k and v cut
     from one GEMM output by ``split``) take one decision and count the whole storage: it is
-    freed only when the last of them is. A saved graph input that is not a parameter
+    freed only when the last of them is. Saved outputs of one op with several (a quantize op's
+    data, scales and tensor scale) take one decision too, and their recomputation replays the
+    op once: its time is counted on the first of them. A saved graph input that is not a parameter
     (e.g. token ids) is held by the caller: 0 bytes, not recomputable.
     ``produced_at`` / ``last_forward_use`` are forward step indices (0 for inputs);
     ``first_backward_use`` / ``last_backward_use`` are the backward steps reading its
