@@ -14,10 +14,16 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from attention_exactness import octave_operands, quantized, torch_primitives  # noqa: F401
 from mxcompile.ops.attention_reference import AttentionOptions, attention_forward_impl
+from mxcompile.numerics import dequantize_along
 from mxcompile.triton_templates import mx_attention_triton
+from mxcompile.triton_templates.loader import kernel_module
+
+_TILE = None  # the interpreted `kernels/mx_tile.py`, which `_round_tile` calls (set by its test)
 
 
 @pytest.mark.parametrize(
@@ -57,3 +63,42 @@ def test_attention_errors() -> None:
         mx_attention_triton(q, qs, k, ks, v, vs, causal=True)
     with pytest.raises(ValueError, match="v_scale must be"):
         mx_attention_triton(q, qs, k, ks, v, ks, causal=False)
+
+
+def _round_tile(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, ELEM: tl.constexpr,
+                SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
+    offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    x = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + offsets, _TILE.mx_round(x, ROWS, COLS, 32, ELEM, SCALE_MODE, SIGNED, "fp32"))
+
+
+def _edge_rows(signed: bool) -> torch.Tensor:
+    """Blocks of 32 (one row each): octave-spread values, tiny blocks whose scale byte is 0-8
+    (results in fp32's subnormal range), a block at the top of fp32, zeros, an Inf block, a
+    NaN block, and values just above the format's max times a power of two."""
+    g = torch.Generator().manual_seed(3)
+    spread = torch.randn(4, 32, generator=g) * torch.logspace(-20, 20, 32, base=2.0)
+    tiny = torch.rand(3, 32, generator=g) * torch.tensor([2.0**-120, 2.0**-126, 2.0**-133])[:, None]
+    huge = torch.rand(1, 32, generator=g) * 2.0**127
+    special = torch.zeros(3, 32)
+    special[1, 5], special[2, 7] = float("inf"), float("nan")
+    edge = torch.full((1, 32), 448.0 * 2.0**-3) * (1 + torch.arange(32) * 2.0**-9)
+    rows = torch.cat([spread, tiny, huge, special, edge])
+    return rows if signed else rows.abs()
+
+
+@pytest.mark.parametrize("elem,scale_mode,signed", [("e4m3", "rceil", False), ("e4m3", "rceil", True),
+                                                    ("e4m3", "floor", True), ("e5m2", "even", True)])
+def test_mx_round_in_registers_matches_the_numerics_core(elem: str, scale_mode: str, signed: bool) -> None:
+    """`mx_round` (P and dS rounded in registers) against the quantizer's dequantized values,
+    bit for bit, NaN where they are NaN: one block per row, a 2 x 32 tile of blocks per launch."""
+    global _TILE
+    _TILE = kernel_module("mx_tile", interpret=True)
+    kernel = triton.jit(_round_tile)
+    x = _edge_rows(signed)
+    x = torch.cat([x, torch.zeros(16 - x.shape[0], 32)]).reshape(8, 64)  # rows of two blocks
+    out = torch.empty_like(x)
+    kernel[(1,)](x, out, ROWS=8, COLS=64, ELEM=elem, SCALE_MODE=scale_mode, SIGNED=signed)
+    ref = dequantize_along(*quantized(x, -1, elem, scale_mode), 1, 32, torch.float32)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())

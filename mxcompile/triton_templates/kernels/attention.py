@@ -10,7 +10,7 @@ registers (`mx_round`). Both products are bf16 MMAs with fp32 accumulation on a 
 import triton
 import triton.language as tl
 
-from .mx_tile import LN2, dot_type, key_tiles_end, load_mx_tile, mx_round, online_softmax_step, program_rows
+from .mx_tile import LN2, key_tiles_end, load_mx_tile, mx_round, online_softmax_step, program_rows
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def mx_attention_fwd_kernel(
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, True)
         # O = O * alpha + P V: P rounded along the keys, V along the keys.
         v = load_mx_tile(v_ptr, v_scale_ptr, head, n0, S_K, BLOCK_N, HEAD_DIM, SCALE_BLOCK, True, DOT)
-        p = mx_round(p, BLOCK_M, BLOCK_N, SCALE_BLOCK, P_ELEM, SCALE_MODE, False).to(dot_type(DOT))
+        p = mx_round(p, BLOCK_M, BLOCK_N, SCALE_BLOCK, P_ELEM, SCALE_MODE, False, DOT)
         acc = tl.dot(p, v, acc * alpha[:, None])
 
     # Phase 3: normalise and store (a row that attended to no key gets 0, as in the CPU op).

@@ -15,7 +15,7 @@ pair. The dK/dV kernel works on the transposed products (keys as rows).
 import triton
 import triton.language as tl
 
-from .mx_tile import dot_type, key_tiles_end, load_mx_tile, load_row_stats, mx_round, program_rows, sum_combine
+from .mx_tile import key_tiles_end, load_mx_tile, load_row_stats, mx_round, program_rows, sum_combine
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _product(lhs, rhs, acc, MX: tl.constexpr, ROWS: tl.constexpr, INNER: tl.cons
     with MX, lhs is rounded to MX along INNER, its contraction axis, in registers; else an fp32
     product. SIGNED=False: lhs >= 0 (P)."""
     if MX:
-        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE, SIGNED).to(dot_type(DOT))
+        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE, SIGNED, DOT)
         acc = tl.dot(lhs, rhs, acc)
     else:
         acc = tl.dot(lhs, rhs, acc, input_precision="ieee")

@@ -329,34 +329,42 @@ def load_mx_tile(
 
 @triton.jit
 def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-             ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
-    """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, and dequantized: the fp32
-    value an MX GEMM multiplies (`mxcompile.numerics`: the block scale from the block's amax,
-    x scaled by its inverse, clamped, rounded to the element format's nearest even, scaled
-    back; a block holding a NaN or an Inf is all NaN). No FP8 byte is formed: rounding to the
-    element grid is the fp32 add and subtract of a power of two, 2**(23 - mantissa bits)
-    times the grid's exponent (that of the scaled value, or the format's smallest normal below
-    it), signed like the value. SIGNED=False: x >= 0 (P), which saves the sign's operations."""
+             ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr,
+             DOT: tl.constexpr):  # fmt: skip
+    """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, as the MMA operand in dtype
+    DOT: the dequantized value an MX GEMM multiplies (`mxcompile.numerics`: the block scale
+    from the block's amax, x scaled by its inverse, clamped, rounded to the element format's
+    nearest even, scaled back; a block holding a NaN or an Inf is all NaN). No FP8 byte is
+    formed: rounding to the element grid is the fp32 add and subtract of a power of two,
+    2**(23 - mantissa bits) times the grid's exponent (that of the scaled value, or the
+    format's smallest normal below it), signed like the value. The rounded value (an element
+    of the format) converts to DOT exactly and is scaled back there (exact as `load_mx_tile`'s
+    expansion; one packed multiply per two elements in bf16). SIGNED=False: x >= 0 (P), which
+    saves the sign's operations."""
     blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
     # The block amax on the bits: NaN bits exceed Inf's, so one integer max finds both.
     abs_bits = blocks.to(tl.int32, bitcast=True)
     if SIGNED:
         abs_bits = abs_bits & F32_ABS_MASK
     amax_bits = tl.reduce(abs_bits, 2, max_combine)
-    scale = scale_bytes(amax_bits.to(tl.float32, bitcast=True), amax_bits >= F32_INF_BITS, ELEM, SCALE_MODE)
-    y = blocks * tl.expand_dims(inverse_scale(scale), 2)
+    nonfinite = amax_bits >= F32_INF_BITS
+    scale = scale_bytes(amax_bits.to(tl.float32, bitcast=True), nonfinite, ELEM, SCALE_MODE)
+    # A non-finite block is scaled by NaN, so every value of it rounds to NaN.
+    inverse = tl.where(nonfinite, float("nan"), inverse_scale(scale))
+    y = blocks * tl.expand_dims(inverse, 2)
     if SCALE_MODE != "rceil":
         # rceil's scale keeps |y| within the format's max (to fp32 rounding, which rounds back
-        # to the max below); the other modes saturate.
-        y = tl.minimum(tl.maximum(y, -elem_max(ELEM)), elem_max(ELEM))
+        # to the max below); the other modes saturate (keeping a non-finite block's NaN).
+        y = tl.maximum(y, -elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
     y_bits = y.to(tl.int32, bitcast=True)
-    grid = tl.maximum(y_bits & F32_EXPONENT_FIELD, elem_min_normal_field(ELEM))
-    magic_bits = grid + elem_magic_offset(ELEM)
+    offset = elem_magic_offset(ELEM)
+    magic_bits = tl.maximum((y_bits & F32_EXPONENT_FIELD) + offset, elem_min_normal_field(ELEM) + offset)
     if SIGNED:
         magic_bits = magic_bits | (y_bits & F32_SIGN_BIT)
     magic = magic_bits.to(tl.float32, bitcast=True)
-    rounded = (y + magic) - magic
-    return tl.reshape(rounded * tl.expand_dims(scale_fp32(scale), 2), (ROWS, COLS))
+    rounded = ((y + magic) - magic).to(dot_type(DOT))
+    return tl.reshape(rounded * tl.expand_dims(expansion_scale(scale, DOT), 2), (ROWS, COLS))
 
 
 @triton.jit
