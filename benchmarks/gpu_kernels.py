@@ -318,41 +318,25 @@ def bench_attention(
 
 def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
     """(kernel, config, PipelineReport), one by one, of every kernel with a main loop and every autotune
-    config, compiled for `capability` at a large shape with a real launch's specialisation."""
+    config, compiled for `capability` at a large shape with a real launch's specialisation: the
+    MX GEMM's main loops (4096^2) and the causal MX attention kernels (16 heads x 4096 tokens,
+    head_dim 128, the launches of the static report: `kernel_static.launchers`)."""
     from mxcompile.triton_templates.aot import compile_launch, pipeline_report
-    from mxcompile.triton_templates.attention import AttentionKey, attention_launch
-    from mxcompile.triton_templates.attention_backward import (
-        AttentionBackwardKey,
-        attention_backward_launch,
-    )
     from mxcompile.triton_templates.configs import (
         attention_autotune_configs,
         attention_backward_autotune_configs,
         mx_mm_autotune_configs,
     )
+    from mxcompile.triton_templates.kernel_static import launchers
     from mxcompile.triton_templates.mx_gemm import MXMMKey, mx_mm_launch
 
-    meta = torch.device("meta")
-
-    def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device=meta)
-
-    size, heads, seq, dim = 4096, 16, 4096, 128
-    fp8, u8, bf16 = torch.float8_e4m3fn, torch.uint8, torch.bfloat16
-    a, sa = empty(size, size, dtype=fp8), empty(size, size // 32, dtype=u8)
-    sb = empty(size // 32, size, dtype=u8)
-    q, qs = empty(heads, seq, dim, dtype=fp8), empty(heads, seq, dim // 32, dtype=u8)
-    vs = empty(heads, seq // 32, dim, dtype=u8)
-    x, lse = empty(heads, seq, dim, dtype=bf16), empty(heads, seq, dtype=torch.float32)
-    gemm = functools.partial(mx_mm_launch, a, sa, a, sb, block_size=32, out_dtype=bf16,
-                             key=MXMMKey(), interpret=False)
-    forward = functools.partial(attention_launch, q, qs, q, qs, q, vs, key=AttentionKey(),
-                                sm_scale=0.1, causal=True, block_size=32, out_dtype=bf16,
-                                interpret=False)
-    backward = functools.partial(attention_backward_launch, x, x, x, x, x, lse,
-                                 key=AttentionBackwardKey(), sm_scale=0.1, causal=True,
-                                 mx_qk=True, mx_pv=True, block_size=32, interpret=False)
-    # (label, config, launcher taking tiles= and wrap=)
+    size = 4096
+    a = torch.empty(size, size, dtype=torch.float8_e4m3fn, device="meta")
+    sa = torch.empty(size, size // 32, dtype=torch.uint8, device="meta")
+    sb = torch.empty(size // 32, size, dtype=torch.uint8, device="meta")
+    gemm = functools.partial(mx_mm_launch, a, sa, a, sb, block_size=32, out_dtype=torch.bfloat16,
+                             key=MXMMKey(), interpret=False)  # fmt: skip
+    # (label, config, launch taking (tiles, wrap))
     launches: list[tuple[str, object, Callable[..., object]]] = []
     # (label, main loop, use_tma): TMA on sm100+; the per-block loops on sm90.
     paths = [("dot_scaled", "dot_scaled", False)]
@@ -360,17 +344,22 @@ def pipelining_rows(capability: int) -> Iterator[tuple[str, str, object]]:
         paths += [("dot_scaled, TMA", "dot_scaled", True)]
     else:
         paths += [("expand_bf16", "expand_bf16", False), ("fp8_per_block", "fp8_per_block", False)]
+    def gemm_launch(main_loop: str, tma: bool) -> Callable[..., object]:
+        return lambda tiles, wrap: gemm(tiles=tiles, wrap=wrap, path=main_loop, use_tma=tma)
+
     for path, main_loop, tma in paths:
-        launch = functools.partial(gemm, path=main_loop, use_tma=tma)
+        launch = gemm_launch(main_loop, tma)
         launches += [(f"mx_mm_kernel ({path})", c, launch) for c in mx_mm_autotune_configs(tma, main_loop)]
-    launches += [("mx_attention_fwd_kernel", c, forward) for c in attention_autotune_configs()]
+    attention = launchers(128, True)
+    launches += [("mx_attention_fwd_kernel", c, attention["mx_attention_fwd"][1])
+                 for c in attention_autotune_configs()]  # fmt: skip
     for name in ("dkdv", "dq"):
-        configs = attention_backward_autotune_configs(name)
-        launches += [(f"mx_attention_bwd_{name}_kernel", c, backward) for c in configs]
+        launch = attention[f"mx_attention_{name}"][1]
+        launches += [(f"mx_attention_bwd_{name}_kernel", c, launch) for c in attention_backward_autotune_configs(name)]
     for label, config, launch in launches:
         kernel_name = label.split(" ")[0]
         (kernel,) = compile_launch(
-            lambda wrap, c=config, f=launch: f(tiles=c.kwargs, wrap=wrap), capability,
+            lambda wrap, c=config, f=launch: f(c.kwargs, wrap), capability,
             num_warps=config.num_warps, num_stages=config.num_stages, only=kernel_name,
         )  # fmt: skip
         tiles = " ".join(f"{k.removeprefix('BLOCK_')}={v}" for k, v in config.kwargs.items())
