@@ -34,6 +34,8 @@ Variants (same seed = same initial weights and same batch order in every variant
   nvfp4-no-hp   nvfp4 with high_precision_layers=0 (no layer kept, the lm_head included)
   mxfp4         backend="mxfp4" with its defaults (MXFP4 GEMMs, round to nearest, no RHT, no
                 high-precision layers), also paired against nvfp4
+  mxfp4-sr-rht  mxfp4 with its two switches on (stochastic rounding of gradients, RHT on the
+                weight-gradient inputs), also paired against mxfp4
 
 Validation: every --eval-every steps the trained weights are copied into a plain GPT and
 evaluated eagerly, in --precision, on the same --eval-batches batches of the validation split
@@ -119,13 +121,14 @@ VARIANTS = (
     Variant("torchao-mx", TORCHAO),
     # The FP4 recipes (torch.compile options of backend="nvfp4" / "mxfp4"): NVIDIA's recipe
     # with its defaults, each of its four parts switched off (paired against the full recipe),
-    # and MXFP4 with its defaults.
+    # and MXFP4 with its defaults and with its two switches on.
     Variant(NVFP4, "nvfp4"),
     Variant("nvfp4-no-rht", "nvfp4", {"rht": False}, compare_to=NVFP4),
     Variant("nvfp4-no-sr", "nvfp4", {"stochastic_rounding": False}, compare_to=NVFP4),
     Variant("nvfp4-no-2d", "nvfp4", {"weight_2d": False}, compare_to=NVFP4),
     Variant("nvfp4-no-hp", "nvfp4", {"high_precision_layers": 0}, compare_to=NVFP4),
     Variant("mxfp4", "mxfp4", compare_to=NVFP4),
+    Variant("mxfp4-sr-rht", "mxfp4", {"stochastic_rounding": True, "rht": True}, compare_to="mxfp4"),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}

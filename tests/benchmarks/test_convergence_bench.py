@@ -8,6 +8,7 @@ the unsplit result."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import subprocess
@@ -182,7 +183,8 @@ def test_every_fp4_variant_is_its_recipe_with_one_switch_changed() -> None:
 
     module = _module()
     fp4 = {v.name: v for v in module.VARIANTS if v.backend in ("nvfp4", "mxfp4")}
-    assert set(fp4) == {"nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-no-hp", "mxfp4"}
+    assert set(fp4) == {"nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-no-hp", "mxfp4",
+                        "mxfp4-sr-rht"}
     settings = {name: MXConfig.for_recipe(v.backend, v.options).fp4 for name, v in fp4.items()}
     assert settings["nvfp4"] == MXConfig.for_recipe("nvfp4").fp4
     assert settings["mxfp4"] == MXConfig.for_recipe("mxfp4").fp4
@@ -193,6 +195,9 @@ def test_every_fp4_variant_is_its_recipe_with_one_switch_changed() -> None:
         assert fp4[name].compare_to == "nvfp4"
         assert getattr(full, switch) != off and getattr(settings[name], switch) == off
         assert all(getattr(settings[name], other) == getattr(full, other) for other in FP4_SWITCHES if other != switch)
+    both_on = settings["mxfp4-sr-rht"]
+    assert both_on.rht and both_on.stochastic_rounding and not (settings["mxfp4"].rht or settings["mxfp4"].stochastic_rounding)
+    assert dataclasses.replace(both_on, rht=False, stochastic_rounding=False) == settings["mxfp4"]
     names = {v.name for v in module.VARIANTS}
     assert all(v.compare_to in names for v in module.VARIANTS if v.compare_to is not None)
     with pytest.raises(ValueError, match="names the variant itself"):
