@@ -18,7 +18,8 @@ fp32 rounding. The softmax denominator sums the unrounded fp32 P. With BLOCK_N e
 op's key_tile the kernel runs the op's sums in its order: under the interpreter it is bit-for-bit
 the op (tests/triton_templates/test_attention_kernel.py).
 
-The kernel is `kernels/attention.py`; this module holds its launcher and references.
+The kernel is `kernels/attention.py`; this module holds its launcher and `mx_attention_reference`
+(the kernel's algorithm on FP8 inputs in torch, for the GPU checks of `benchmarks/gpu_kernels.py`).
 `tl.constexpr`s: P_ELEM, SCALE_MODE, CAUSAL, STORE_LSE, DOT, HEAD_DIM, SCALE_BLOCK, BLOCK_M,
 BLOCK_N. Shapes: q (BH, S_q, D), k and v (BH, S_k, D); scales q (BH, S_q, D/bs), k (BH, S_k,
 D/bs), v (BH, ceil(S_k/bs), D). Causal masking is top-left aligned and needs S_q == S_k. With
@@ -226,25 +227,6 @@ def _scores(qf, kf, sm_scale, causal):  # type: ignore[no-untyped-def]
         keep = torch.ones(s_q, s_k, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     return s
-
-
-def mx_attention_exact(
-    q,
-    q_scale,
-    k,
-    k_scale,
-    v,
-    v_scale,
-    *,
-    sm_scale=None,
-    causal=False,
-    block_size=32,
-    out_dtype=torch.float32,
-) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """fp32 softmax attention on the exactly dequantized Q, K, V (P not quantized)."""
-    qf, kf, vf = _dequantized(q, q_scale, k, k_scale, v, v_scale, block_size)
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    return (torch.softmax(_scores(qf, kf, sm_scale, causal), dim=-1) @ vf).to(out_dtype)
 
 
 def mx_attention_reference(
