@@ -9,7 +9,7 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 """
 
 from ._version import __version__
-from .backend import MXKeptWarning, clear_reports, compile, report_of, reports, step_coverage_of
+from .backend import MXKeptWarning, clear_reports, compile, end_measured_step, report_of, reports, step_coverage_of
 from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig, Recipe
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
@@ -30,6 +30,7 @@ __all__ = [
     "clear_reports",
     "compile",
     "dequantize_mx",
+    "end_measured_step",
     "explain",
     "mx_matmul",
     "quantize_mx",

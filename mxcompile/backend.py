@@ -375,6 +375,16 @@ def step_coverage_of(model: torch.nn.Module) -> StepCoverage | None:
     return measured[-1] if measured else None
 
 
+def end_measured_step() -> None:
+    """Close the first-step measurement (`measure_first_step`, step_coverage.py) if its step has
+    ended, from your training loop after the backward (outside compiled code). Without this call
+    (or `report_of` / `step_coverage_of`, which make it) it closes at the next call of a compiled
+    graph, inside compiled code, where stopping torch.profiler made processes crash later (a
+    heap corruption, torch 2.13; docs/integrations.md). `MXReportCallback` calls it at the end of
+    every Trainer step. Once the measurement is closed it is one attribute check."""
+    _STEP_MONITOR.finish_ended_step()
+
+
 def clear_reports() -> None:
     """Forget the retained reports; the log's graph numbers start again at 0."""
     _HISTORY.clear()

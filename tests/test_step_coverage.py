@@ -154,3 +154,29 @@ def test_measure_first_step_off_profiles_nothing():
             assert not torch.autograd._profiler_enabled()
     assert mxcompile.step_coverage_of(model) is None and mxcompile.report_of(model)
     assert not [w for w in caught if issubclass(w.category, MXEagerWarning)]
+
+
+@profiled_step
+def test_the_loop_closes_the_measurement_outside_compiled_code():
+    """`end_measured_step()` after each backward (what MXReportCallback's on_step_end calls)
+    closes the measurement after the measured (second) step, from the loop: the profiler is
+    off before the third step's first graph call, and the share is in the reports."""
+    from mxcompile.backend import _STEP_MONITOR
+    from mxcompile.integrations.hf import MXReportCallback
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block(eager_mlp=True)
+    compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    callback = MXReportCallback()
+    open_after = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MXEagerWarning)
+        for _ in range(3):
+            compiled(x).square().mean().backward()
+            callback.on_step_end(None, None, None)
+            open_after.append((_STEP_MONITOR.measuring, torch.autograd._profiler_enabled()))
+    assert open_after == [(False, False)] * 3, open_after  # step 1 compiles; step 2 measured, closed here
+    coverage = mxcompile.step_coverage_of(model)
+    assert coverage is not None and coverage.eager_gemms == 6

@@ -32,7 +32,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..backend import configured_backend, report_of, step_coverage_of
+from ..backend import configured_backend, end_measured_step, report_of, step_coverage_of
 from ..config import MXConfig
 from ..coverage import warn_uncompiled
 
@@ -155,7 +155,13 @@ class MXReportCallback(TrainerCallback):
     before user callbacks and do not get them (transformers 5.25).
     At the end of training it logs one summary line (logger `mxcompile.integrations.hf`) and
     warns when no graph of the model was compiled by mxcompile: then the model was not compiled
-    with an mxcompile backend, and nothing ran in MX."""
+    with an mxcompile backend, and nothing ran in MX. At the end of every step it closes the
+    first-step measurement (`measure_first_step`) if that step has ended: outside compiled code,
+    where stopping the profiler is safe (`mxcompile.backend.end_measured_step`)."""
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        end_measured_step()
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
