@@ -172,6 +172,7 @@ class Report:
             "converted_by_format": self.converted_by_format(),
             "saved_activation_bytes_before": self.saved_bytes_before,
             "saved_activation_bytes_after": self.saved_bytes_after,
+            "saved_quantized_by_format": self.saved_by_format(),
             # None until the step is measured (after the step that follows its compile step)
             "step_mx_flop_fraction": self.step_coverage.mx_flop_fraction if self.step_coverage else None,
         }

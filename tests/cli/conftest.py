@@ -85,7 +85,8 @@ def user_target(tmp_path: Path) -> Path:
 REPORT_KEYS = {"schema_version", "config", "totals", "decisions", "passes", "saved_tensors", "graphs",
                "memory_plan", "fallbacks", "all_gather", "step_coverage"}
 TOTALS_KEYS = {"gemms", "converted", "kept", "gemm_flops", "gemm_flops_converted", "converted_flop_fraction",
-               "converted_by_format", "saved_activation_bytes_before", "saved_activation_bytes_after", "step_mx_flop_fraction"}
+               "converted_by_format", "saved_activation_bytes_before", "saved_activation_bytes_after", "saved_quantized_by_format",
+               "step_mx_flop_fraction"}
 STEP_COVERAGE_KEYS = {"mx_flop_fraction", "mx_flops", "compiled_flops", "eager_flops", "eager_gemms",
                       "eager_modules", "graph_breaks", "graph_calls", "measure_seconds"}
 DECISION_KEYS = {"graph", "node", "op", "kind", "shapes", "flops", "module", "decision", "format", "reason",

@@ -81,6 +81,8 @@ def test_training_report_shows_the_saved_fp4_bytes(explained, recipe):
     assert report.saved_bytes_after == explained(recipe).saved_bytes_after > 0
     assert report.saved_by_format() == explained(recipe).saved_by_format()
     assert report.saved_by_format()[recipe]["to_bf16"] <= MAX_TO_BF16
+    # and in the JSON report (inspect --json, profile's report.json)
+    assert report.to_dict()["totals"]["saved_quantized_by_format"] == report.saved_by_format()
 
 
 @pytest.mark.parametrize("recipe", FP4_RECIPES)
