@@ -18,6 +18,7 @@ import logging
 import torch
 
 from ..numerics import dequantize_along
+from ..numerics.formats import block_format as block_format_named
 from ..numerics.fp4_operand import fp4_gemm
 
 _log = logging.getLogger(__name__)
@@ -170,8 +171,7 @@ def mx_mm_cuda(
     return mx_mm_with_triton(a, a_scale, b, b_scale, block_size, out_dtype)
 
 
-@torch.library.custom_op("mxcompile::mx_mm_fp4", mutates_args=())
-def mx_mm_fp4_op(
+def mx_mm_fp4_reference(
     a: torch.Tensor,
     a_scale: torch.Tensor,
     a_tensor_scale: torch.Tensor,
@@ -194,10 +194,44 @@ def mx_mm_fp4_op(
     return fp4_gemm(a_values, a_tensor_scale, b_values, b_tensor_scale, out_dtype).contiguous()
 
 
+mx_mm_fp4_op = torch.library.custom_op("mxcompile::mx_mm_fp4", mutates_args=())(mx_mm_fp4_reference)
+
+
 @mx_mm_fp4_op.register_fake
 def _mx_mm_fp4_fake(a, a_scale, a_tensor_scale, b, b_scale, b_tensor_scale, block_format, out_dtype):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return a.new_empty((*batch, a.shape[-2], b.shape[-1]), dtype=out_dtype)
+
+
+@mx_mm_fp4_op.register_kernel("cuda")
+def mx_mm_fp4_cuda(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_tensor_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_tensor_scale: torch.Tensor,
+    block_format: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`mxcompile::mx_mm_fp4` on CUDA: the Triton FP4 GEMM for a 2-D B where Triton can run
+    (`triton_mx_mm_unsupported`), the op's torch implementation otherwise (logged at DEBUG
+    level with the reason). Also callable on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+    reason = triton_mx_mm_unsupported(a, b, block_format_named(block_format).block_size)
+    if reason is not None:
+        _log.debug("mxcompile::mx_mm_fp4: torch implementation, not the Triton kernel: %s", reason)
+        return mx_mm_fp4_reference(a, a_scale, a_tensor_scale, b, b_scale, b_tensor_scale, block_format,
+                                   out_dtype)
+    from ..triton_templates import _interpreting, device_capability
+    from ..triton_templates.mx_gemm_fp4 import fp4_mm_launch, resolve_fp4_gemm_path
+
+    # a (..., M, K/2) flattened to 2-D; the path for this GPU.
+    c = fp4_mm_launch(
+        a.reshape(-1, a.shape[-1]), a_scale.reshape(-1, a_scale.shape[-1]), a_tensor_scale.to(torch.float32),
+        b, b_scale, b_tensor_scale.to(torch.float32), block_format=block_format, out_dtype=out_dtype,
+        path=resolve_fp4_gemm_path("auto", device_capability(a.device)), interpret=_interpreting(),
+    )  # fmt: skip
+    return c.reshape(*a.shape[:-1], b.shape[-1])
 
 
 MX_MM = torch.ops.mxcompile.mx_mm.default  # the overload the graph passes insert
@@ -206,3 +240,4 @@ MX_MM_FP4 = torch.ops.mxcompile.mx_mm_fp4.default
 DECOMPOSITIONS: dict = {
     MX_MM: lambda *a: mx_mm_reference(*a).contiguous(),
 }
+

@@ -141,3 +141,30 @@ def interpreter_attention_config() -> dict[str, int]:
 
 def interpreter_attention_backward_config() -> dict[str, int]:
     return {"BLOCK_M": 64, "BLOCK_N": 64}  # ~3x faster than 32 x 32 under the interpreter
+
+
+# FP4 GEMM (`mx_gemm_fp4`): BLOCK_K in elements (half as many packed bytes per row). The first
+# shape of each list is the static choice (`kernel_static.static_choice`: no spills, then the
+# fewest main-loop instructions per product; 2026-12-07, 4096^3, MXFP4 and NVFP4 alike), the one
+# the AOT tests compile (tests/triton_templates/test_fp4_gemm_kernel.py). Untimed on a GPU.
+# dot_scaled: BLOCK_M >= 128, as sm100 lowers tl.dot_scaled to the block-scaled MMA only there
+# (with BLOCK_M 64 it upcasts, `mx_mm_autotune_configs`); expand_bf16: BLOCK_M <= 128, as the
+# FP8 expand_bf16 loop (EXPAND_BF16_MAX_BLOCK_M).
+FP4_GEMM_SHAPES: dict[str, list[tuple[int, int, int, int, int]]] = {
+    "dot_scaled": [(256, 128, 256, 3, 8), (128, 256, 256, 3, 8), (128, 128, 256, 3, 4), (128, 128, 128, 4, 4)],
+    "expand_bf16": [(128, 256, 64, 3, 8), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+}
+
+
+def fp4_mm_autotune_configs(path: str) -> list[triton.Config]:
+    """Tile configs of the FP4 GEMM kernel's main loop `path` (FP4_GEMM_SHAPES)."""
+    if path not in FP4_GEMM_SHAPES:
+        raise ValueError(f"path={path!r}: the FP4 GEMM's main loops are {sorted(FP4_GEMM_SHAPES)}")
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in FP4_GEMM_SHAPES[path]
+    ]
+
+
+def interpreter_fp4_mm_config() -> dict[str, int]:
+    return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}

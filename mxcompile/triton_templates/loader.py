@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 KERNEL_MODULES = (
-    "mx_tile", "quantize", "mx_gemm", "attention", "attention_backward", "flash_attention",
+    "mx_tile", "quantize", "mx_gemm", "mx_gemm_fp4", "attention", "attention_backward", "flash_attention",
 )  # fmt: skip
 _KERNELS_DIR = Path(__file__).with_name("kernels")
 _packages: dict[bool, ModuleType] = {}
