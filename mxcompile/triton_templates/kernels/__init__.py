@@ -5,6 +5,7 @@
                       (LOG2E, E8M0_*, F32_*)
   quantize            mx_quantize_kernel
   mx_gemm             mx_mm_kernel (with its epilogue ops)
+  mx_gemm_fp4         fp4_mm_kernel: the FP4 GEMM (MXFP4, NVFP4; packed E2M1 operands)
   attention           mx_attention_fwd_kernel
   attention_backward  mx_attention_bwd_{preprocess,dkdv,dq}_kernel
   flash_attention     flash_attention_{fwd,dkdv,dq}_kernel: bf16 flash attention, the
