@@ -201,3 +201,23 @@ def test_sm90_fp4_gemm_is_bf16_wgmma_without_spills(fmt: str) -> None:
     report = pipeline_report(kernel)
     assert report.pipelined and report.buffers >= 2 and report.async_copies > 0, report
     assert report.stack_bytes == 0, report
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_operands_from_quantize_fp4(fmt: str) -> None:
+    """Operands as the recipes store them (`mxcompile::quantize_fp4` of data spanning several
+    octaves along rows, columns and K; NVFP4's weight in 2-D 16x16 blocks) through the op's
+    CUDA kernel. Bit for bit on this data under the interpreter (its fp32 sums per K tile give
+    the reference's bits here; not guaranteed for every input, nor for a GPU's MMA order: the
+    exact-sum tests above are the proof of the kernel's arithmetic)."""
+    from mxcompile.ops.quantize import QUANTIZE_FP4
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 96, generator=g) * torch.logspace(-3, 3, 48, base=2.0)[:, None]
+    x = x * torch.logspace(-4, 4, 96, base=2.0)[None, :]
+    w = torch.randn(96, 40, generator=g) * torch.logspace(3, -3, 40, base=2.0)[None, :]
+    a = QUANTIZE_FP4(x, 1, fmt, "rceil", False, False, 0, None)
+    b = QUANTIZE_FP4(w, 0, fmt, "rceil", fmt == "nvfp4", False, 0, None)
+    c = mx_mm_fp4_cuda(*a, *b, fmt, torch.float32)
+    ref = MX_MM_FP4(*a, *b, fmt, torch.float32)
+    assert ref.abs().max() > 0 and torch.equal(c, ref)
