@@ -6,9 +6,10 @@ high-precision baseline with a 95% Welch t interval, and with a paired t interva
 cancel the variation they share). An ablation is also paired against its full recipe.
 
     python benchmarks/convergence.py --quick                       # tiny smoke run (the test's)
-    python benchmarks/convergence.py --size tiny --steps 1000 --seeds 0 1 2 --precision fp32 \\
-        --threads 1 --variants baseline mxfp8 nvfp4 nvfp4-no-rht nvfp4-no-sr nvfp4-no-2d \\
-        nvfp4-no-hp mxfp4 --out benchmarks/results/convergence_fp4   # the FP4 table (docs/fp4.md)
+    python benchmarks/convergence.py --size tiny --d-model 32 --layers 2 --heads 2 --seq-len 32 \\
+        --batch-size 4 --steps 1000 --precision fp32 --threads 1 --eval-every 100 \\
+        --eval-batches 64 --seeds 0 1 2 3 4 --variants baseline mxfp8 nvfp4 nvfp4-no-rht \\
+        nvfp4-no-sr nvfp4-no-2d nvfp4-no-hp mxfp4 mxfp4-sr-rht   # the FP4 table (docs/fp4.md)
 
 Variants (same seed = same initial weights and same batch order in every variant):
   baseline      torch.compile's default backend, in --precision (bf16 autocast, or fp32)
