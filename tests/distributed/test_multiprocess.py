@@ -8,8 +8,9 @@ partial sums, GEMMs over per-rank token halves), and with 32-token-aligned per-r
 and K-shards of whole blocks every MX block is the single-process block. So losses agree to
 LOSS_RTOL and first-step gradients to GRAD_RTOL (relative norm error per parameter; measured
 about 1e-7). The MXFP8 all-gather gives the same numbers as the plain all-gather, bit for bit.
-FSDP2 with the nvfp4 recipe (high-precision all-gather) is held to data parallelism written out
-in the worker (`run_fsdp_nvfp4`: NVFP4 quantizes each rank's local tensors), to the same GRAD_RTOL.
+DDP and FSDP2 (high-precision all-gather) with the nvfp4 recipe are held to data parallelism
+written out in the worker (`data_parallel_nvfp4`: NVFP4 quantizes each rank's local tensors), to
+the same GRAD_RTOL.
 """
 
 from __future__ import annotations
@@ -70,13 +71,20 @@ def test_layout_matches_single_process(results, layout):
     _assert_grads_match(result)
 
 
-def test_fsdp2_nvfp4_equals_data_parallel(results):
-    """FSDP2 + nvfp4 (RHT, stochastic rounding, 2-D weights) on 2 ranks: the first step's loss
-    and gradients are those of each rank's unsharded copy on its rows, averaged; every linear
-    GEMM in NVFP4, attention kept (off), the weights all-gathered in high precision."""
-    result = results["fsdp_nvfp4"]
+@pytest.mark.parametrize("scenario", ["fsdp_nvfp4", "ddp_nvfp4"])
+def test_nvfp4_equals_data_parallel(results, scenario):
+    """FSDP2 or DDP + nvfp4 (RHT, stochastic rounding, 2-D weights) on 2 ranks: the first step's
+    loss and gradients are those of each rank's unsharded copy on its rows, averaged; every
+    linear GEMM in NVFP4, attention kept (off); FSDP2 all-gathers the weights in high precision."""
+    result = results[scenario]
     assert abs(result["losses"][0] - result["first_loss_data_parallel"]) <= LOSS_RTOL * result["losses"][0]
     assert result["grads_vs_data_parallel"]["worst_rel_norm_err"] <= GRAD_RTOL, result["grads_vs_data_parallel"]
+    if scenario == "ddp_nvfp4":  # one graph of the whole model per rank (DDP's buckets may split it)
+        for decisions in result["decisions"]:
+            formats = _counts(decisions, "kind", "format")
+            assert set(formats) == {("output", "nvfp4"), ("input_grad", "nvfp4"), ("weight_grad", "nvfp4"),
+                                    ("attention", "")}, formats
+        return
     assert result["mx_weights"] == {}
     for decisions in result["decisions"]:
         assert _counts(decisions, "kind", "format") == Counter(

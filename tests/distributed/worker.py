@@ -1,7 +1,7 @@
 """Multi-process scenarios for tests/distributed, run under torchrun with 2 CPU ranks (gloo):
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/worker.py \
-        --out results.json --scenarios reference,ddp,fsdp,fsdp_mx,fsdp_nvfp4,tp,tp_misaligned,all_gather
+        --out results.json --scenarios reference,ddp,fsdp,fsdp_mx,fsdp_nvfp4,ddp_nvfp4,tp,tp_misaligned,all_gather
 
 Each scenario trains the tiny built-in GPT for STEPS AdamW steps compiled with the mxfp8
 pipeline (`--lowering eager`: AOTAutograd + passes + partition, graphs run op by op; `inductor`:
@@ -44,8 +44,8 @@ OCTAVES = 24  # more than e4m3's range below a block maximum (about 17 octaves)
 ROW_STRIDE, COL_STRIDE = 7, 5  # coprime with OCTAVES: every residue appears within a block
 _BLOCK_PREFIX = re.compile(r"^blocks\.\d+\.")
 
-SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "fsdp_nvfp4", "tp", "tp_misaligned", "all_gather", "usages",
-             "llama")
+SCENARIOS = ("reference", "ddp", "fsdp", "fsdp_mx", "fsdp_nvfp4", "ddp_nvfp4", "tp", "tp_misaligned", "all_gather",
+             "usages", "llama")
 SCENARIOS_4_RANKS = ("llama_2d",)  # run only when asked: --nproc-per-node 4 --scenarios llama_2d
 
 
@@ -151,13 +151,13 @@ def run_reference(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
     return result
 
 
-def run_ddp(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
+def run_ddp(batches: torch.Tensor, lowering: str, config: MXConfig | None = None) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     report = Report({})
     model = new_model()
     ddp = DistributedDataParallel(model)
-    compiled = torch.compile(ddp, backend=make_backend(MXConfig(), report, lowering))
+    compiled = torch.compile(ddp, backend=make_backend(config or MXConfig(), report, lowering))
     rank = dist.get_rank()
     result = train(compiled, model, [rank_rows(b, rank) for b in batches], mean_over_ranks=True)
     result["decisions"] = gather_decisions(report)
@@ -190,15 +190,18 @@ def run_fsdp(batches: torch.Tensor, lowering: str, config: MXConfig) -> dict[str
     return result
 
 
-def run_fsdp_nvfp4(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
-    """FSDP2 (its high-precision all-gather) with the nvfp4 recipe against data parallelism
-    written out: every rank's unsharded copy compiled alike on its own rows, the gradients
-    averaged over ranks. Not against one process: NVFP4's tensor scale comes from each rank's
-    local amax and the stochastic-rounding draws from its local operands, so data parallelism
-    changes the quantization; FSDP2 must change nothing more than the order of fp32 sums. Every
-    switch on but the high-precision layers (0): compile_fsdp2 compiles a graph per unit, the
-    copy one graph, and the rule counts each graph's layers."""
-    config = MXConfig.for_recipe("nvfp4", {"high_precision_layers": 0})
+# The FP4 scenarios: every switch of the nvfp4 recipe on but the high-precision layers (0):
+# compile_fsdp2 compiles a graph per unit, the written-out copy one graph, and the rule counts
+# each graph's layers.
+NVFP4_SCENARIO_OPTIONS = {"high_precision_layers": 0}
+
+
+def data_parallel_nvfp4(batches: torch.Tensor, lowering: str, config: MXConfig) -> tuple[float, dict[str, torch.Tensor]]:
+    """The first step's loss and gradients of data parallelism written out: every rank's
+    unsharded copy compiled alike on its own rows, the gradients averaged over ranks. Not one
+    process: NVFP4's tensor scale comes from each rank's local amax and the stochastic-rounding
+    draws from its local operands, so data parallelism changes the quantization; DDP and FSDP2
+    must change nothing more than the order of fp32 sums."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = new_model()
     compiled = torch.compile(model, backend=make_backend(config, Report({}), lowering))
@@ -211,9 +214,17 @@ def run_fsdp_nvfp4(batches: torch.Tensor, lowering: str) -> dict[str, Any]:
         expected[name] = param.grad / world
     dist.all_reduce(loss)
     torch._dynamo.reset()
-    result = run_fsdp(batches, lowering, config)
+    return loss.item() / world, expected
+
+
+def run_nvfp4(batches: torch.Tensor, lowering: str, layout: str) -> dict[str, Any]:
+    """DDP ("ddp") or FSDP2 with its high-precision all-gather ("fsdp") under the nvfp4 recipe,
+    against `data_parallel_nvfp4`."""
+    config = MXConfig.for_recipe("nvfp4", NVFP4_SCENARIO_OPTIONS)
+    first_loss, expected = data_parallel_nvfp4(batches, lowering, config)
+    result = run_ddp(batches, lowering, config) if layout == "ddp" else run_fsdp(batches, lowering, config)
     grads = result.pop("grads")
-    result["first_loss_data_parallel"] = loss.item() / world
+    result["first_loss_data_parallel"] = first_loss
     result["grads_vs_data_parallel"] = compare_grads(grads, expected)
     return result
 
@@ -329,7 +340,9 @@ def main() -> None:
         elif name == "fsdp_mx":
             result = run_fsdp(batches, args.lowering, MXConfig(fsdp_all_gather="mxfp8"))
         elif name == "fsdp_nvfp4":
-            result = run_fsdp_nvfp4(batches, args.lowering)
+            result = run_nvfp4(batches, args.lowering, "fsdp")
+        elif name == "ddp_nvfp4":
+            result = run_nvfp4(batches, args.lowering, "ddp")
         elif name == "tp":
             result = run_tp(batches, args.lowering)
         elif name == "tp_misaligned":
