@@ -26,7 +26,11 @@ MXFP4_SWITCHES_ON = FP4OracleRecipe("mxfp4", rht=True, stochastic_rounding=True,
 TOKENS, WIDTH, HIDDEN = 40, 64, 80  # 40 tokens: the weight-gradient contraction zero-padded to 48
 # The small model: two blocks of 3 linear layers (6 + lm_head; round(0.15 * 6) = 1 kept) whose
 # widths (80, 40) leave partial 16x16 weight tiles.
-ZOO_MODELS = ("llama", "gpt_neox")
+# Zoo models whose compiled nvfp4 gradients equal the oracle's. Not yet (2026-12-07, issue 48):
+# opt and mixtral (the graph and the oracle keep different layers in high precision: the
+# recipe's count of linear layers differs between them), bert (its key biases, whose gradient is
+# zero in exact arithmetic, differ by rounding: a relative distance of ~1e5 on ~0), gemma2, t5.
+ZOO_MODELS = ("llama", "gpt_neox", "mistral", "qwen3", "phi")
 HIGH_PRECISION_MODULES = ("blocks.1.down", "lm_head")  # the last of 6 layers (round(0.9) = 1), the lm_head
 GEMMS_PER_LAYER = 3
 FP4_WEIGHTS = [f"blocks.{b}.{name}.weight" for b in range(2) for name in ("up", "mid", "down")
