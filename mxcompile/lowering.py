@@ -200,7 +200,7 @@ def _producing_fp4_quantize(data: fx.Node, scale: fx.Node, tensor_scale: fx.Node
 
 
 def lower_fp4_gemms(gm: fx.GraphModule) -> int:
-    """Rewrite each mxcompile::mx_mm_fp4 (no FP4 kernel yet: all of them, on every device) into
+    """Rewrite each mxcompile::mx_mm_fp4 (all of them, on every device: the Triton FP4 GEMM, `mx_mm_fp4`'s CUDA kernel, is not used by compiled graphs yet) into
     the FP4 GEMM of its operands' block values: an operand quantized in this graph is
     fake-quantized from its source (`mxcompile::fake_quantize_fp4`: the same draws, transform
     and rounding, no packing), one that arrives packed (saved by the forward) is dequantized

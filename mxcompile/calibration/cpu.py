@@ -265,7 +265,7 @@ def _reference_dequantize_rate() -> float:
 def _fp4_rates() -> dict[str, float]:
     """Input elements/s of ``mxcompile::quantize_fp4`` (NVFP4, round to nearest, 1-D blocks) and
     operand elements/s of ``mxcompile::dequantize_fp4`` to fp32, on a ``CPU_FP4_SHAPE`` fp32
-    tensor, each the mean over both axes (their torch references: no FP4 kernel yet)."""
+    tensor, each the mean over both axes (their torch references: no CPU FP4 kernel)."""
     x = torch.randn(CPU_FP4_SHAPE)
     quantize_times, dequantize_times = [], []
     for axis in range(x.ndim):

@@ -32,7 +32,7 @@ FP4_OPS_FIX = ("reinstall mxcompile (`pip install .` in its repository); if it p
 NO_FP4_TENSOR_CORES_FIX = ("none needed for correctness (the dequantized GEMM gives the same products); "
                            "FP4 tensor cores need a Blackwell GPU (sm100)")
 DEQUANTIZED_PATH = ("compiled FP4 GEMMs run as GEMMs of the exactly dequantized operands (lowering.lower_fp4_gemms: "
-                    "no FP4 kernel in this release)")
+                    "the Triton FP4 GEMM is not used by compiled graphs yet)")
 
 
 def _fp4_products(recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ Conventions
     * FP4 (issue 48): a packed E2M1 operand is uint8 with two elements per byte, so its bytes
       are ``numel / 2`` of the operand it holds, plus one scale byte per block (16 elements for
       NVFP4, 32 for MXFP4) and a 0-d fp32 tensor scale: counted exactly by the rule above. The
-      FP4 ops run as their torch references on every device (no FP4 kernel yet): an
+      FP4 ops run as their torch references on every device (compiled graphs use no FP4 kernel yet): an
       ``mxcompile::quantize_fp4`` takes at least its input elements at the profile's measured
       ``quantize_fp4`` rate, and holds the scratch of its reference
       (:func:`quantize_fp4_scratch_bytes`); an ``mxcompile::mx_mm_fp4`` is an fp32 GEMM of
@@ -424,7 +424,7 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
     attention ops on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's
     dequantized operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the
     nearest rate the profile has, then "fp32". An FP4 GEMM runs at ``FP4_GEMM_DTYPE_KEY``
-    (fp32 block values on every device: no FP4 kernel yet)."""
+    (fp32 block values on every device: compiled graphs use no FP4 kernel yet)."""
     name = _schema_name(node)
     if name == MX_MM_FP4_SCHEMA_NAME:
         return FP4_GEMM_DTYPE_KEY

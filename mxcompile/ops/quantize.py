@@ -338,7 +338,7 @@ def dequantize_for_inductor(
 # with draws seeded from the operand and `seed`, the random Hadamard transform with the signs of
 # `rht_seed` (None: none). Scales travel as uint8 bytes (E8M0 or E4M3 bits), the NVFP4 tensor
 # scale S_dec as a 0-d fp32 tensor (1.0 for MXFP4), which the FP4 GEMM applies to its output.
-# No Triton or native kernel yet: the torch references run on every device, and the lowerings
+# No Triton or native quantize kernel yet: the torch references run on every device, and the lowerings
 # keep the ops opaque (no Inductor decomposition).
 
 
