@@ -348,7 +348,8 @@ class StepMonitor:
         self._graphs, self._roots, self._calls_seen = {}, [], set()
         for graph in graphs:
             graph.measured = True
-        self._on_measured(coverage, graphs)
+        if coverage.total_flops:  # a window that saw no GEMM (graphs without one, closed early) says nothing
+            self._on_measured(coverage, graphs)
 
     @property
     def _step_ended(self) -> bool:
