@@ -7,8 +7,8 @@ Each process builds ``llama-small`` (mxcompile.measure.steps:hf_checkpointing_st
 without HF gradient checkpointing), compiles it with ``backend="mxfp8"``, and times its first
 ``STEPS`` training steps. "on" compiles with ``options={"measure_first_step": True}``, "off" with
 False (no window ever opens), so the difference is its cost: the profiler in step 2 (the first
-after the step that compiles), the reading of the profile at step 3's first graph call, and
-nothing after. The on/off processes alternate, ``--repeats`` of each; medians are printed, every
+after the step that compiles) and the reading of the profile when the loop closes it after that
+step (`mxcompile.end_measured_step()`, called after every step in both), and nothing after. The on/off processes alternate, ``--repeats`` of each; medians are printed, every
 run is kept in the JSON. A process that crashes is counted (its exit status kept), not retried:
 with the profiler on, processes crashed now and then (docs/integrations.md), and this is also
 a count of that.
@@ -38,6 +38,7 @@ def child(measure: bool, checkpointing: bool) -> dict:
     for _ in range(STEPS):
         began = time.perf_counter()
         step()
+        mxcompile.end_measured_step()  # the loop closes the measurement (docs/integrations.md), timed with it
         times.append(time.perf_counter() - began)
     coverage = mxcompile.reports() and next((r.step_coverage for r in mxcompile.reports() if r.step_coverage), None)
     return {"times_s": times, "measure_seconds": coverage.measure_seconds if coverage else None,
@@ -87,8 +88,8 @@ def main() -> None:
         for label in ("on", "off"):
             print(f"  {label}: {row[label]['finished']} of {row[label]['processes']} processes finished; "
                   f"failed exit statuses: {row[label]['failed_exits'] or 'none'}")
-        for key, name in (("step1_s", "step 1 (compiles)"), ("step2_s", "step 2 (measured)"),
-                          ("step3_s", "step 3 (reads it)"), ("later_s", "steps 4-6")):
+        for key, name in (("step1_s", "step 1 (compiles)"), ("step2_s", "step 2 (measured, read)"),
+                          ("step3_s", "step 3"), ("later_s", "steps 4-6")):
             if key in row["on"] and key in row["off"]:
                 on, off = row["on"][key], row["off"][key]
                 print(f"  {name:<18} on {on:8.3f} s  off {off:8.3f} s  on-off {on - off:+.3f} s ({on / off:.3f}x)")
