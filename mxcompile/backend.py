@@ -317,7 +317,7 @@ def _record_step_coverage(coverage: StepCoverage, graphs: list[RecordedGraph]) -
     for graph in graphs:
         graph.report.step_coverage = coverage
     logger.info("mxcompile: %s (measured in %.3f s)", coverage.summary(), coverage.measure_seconds)
-    if coverage.total_flops and coverage.mx_flop_fraction < WARN_BELOW_FRACTION:
+    if coverage.mx_flop_fraction < WARN_BELOW_FRACTION:  # the monitor reports only windows with GEMMs
         warnings.warn(coverage.warning(), MXEagerWarning, stacklevel=2)
 
 
@@ -368,8 +368,8 @@ def report_of(model: torch.nn.Module) -> list[Report]:
 
 
 def step_coverage_of(model: torch.nn.Module) -> StepCoverage | None:
-    """The measured training step of `model` (the first after compiling) (the module or what torch.compile returned):
-    the share of all its GEMM FLOPs that ran in MX, the GEMMs that ran eagerly outside every
+    """The measured training step of `model` (the module or what torch.compile returned), the
+    first after compiling: the share of all its GEMM FLOPs that ran in MX, the GEMMs that ran eagerly outside every
     compiled graph included (step_coverage.py). None until that step's backward has ended."""
     measured = [r.step_coverage for r in report_of(model) if r.step_coverage is not None]
     return measured[-1] if measured else None

@@ -29,6 +29,16 @@ KEPT = "kept"
 MXFP8_FAMILY = "mxfp8"
 
 
+def converted_phrase(converted: int, gemms: int, formats: dict[str, int], default: str = MXFP8_FAMILY) -> str:
+    """'30 of 32 GEMMs in MXFP8' (one format family, or none converted: `default`'s), or
+    '24 of 38 GEMMs converted (NVFP4 21, MXFP8 3)' with `formats` (family -> converted GEMMs,
+    `Report.converted_by_format`) when there are several."""
+    if len(formats) <= 1:
+        return f"{converted} of {gemms} GEMMs in {next(iter(formats), default).upper()}"
+    shares = ", ".join(f"{family.upper()} {n}" for family, n in formats.items())
+    return f"{converted} of {gemms} GEMMs converted ({shares})"
+
+
 @dataclass(frozen=True)
 class OperandQuantization:
     """How one GEMM operand is quantized: along which axis of which shape, in which block
@@ -220,12 +230,7 @@ class Report:
         if not t["gemms"]:
             return f"no GEMMs in this graph: nothing to run in {recipe.upper()}"
         graphs = "+".join(dict.fromkeys(d.graph for d in self.decisions))
-        formats = t["converted_by_format"]
-        if len(formats) <= 1:
-            converted = f"{t['converted']} of {t['gemms']} GEMMs in {next(iter(formats), recipe).upper()}"
-        else:
-            shares = ", ".join(f"{family.upper()} {n}" for family, n in formats.items())
-            converted = f"{t['converted']} of {t['gemms']} GEMMs converted ({shares})"
+        converted = converted_phrase(t["converted"], t["gemms"], t["converted_by_format"], recipe)
         line = (f"{graphs}: {converted}, "
                 f"{t['converted_flop_fraction']:.1%} of {t['gemm_flops']:.3g} GEMM FLOPs; {t['kept']} kept")
         if recipe != MXFP8_FAMILY:

@@ -56,3 +56,17 @@ def test_public_names_configure_an_fp4_recipe():
     report = mxcompile.explain(model, torch.randn(32, 64), config=config)
     assert report.converted_by_format() == {"mxfp4": 5}  # the first layer has no input-gradient GEMM
     assert "5 of 5 GEMMs in MXFP4" in report.summary() and report.summary().endswith("(mxfp4 recipe)")
+
+
+def test_the_trainer_share_names_the_formats_as_the_report_does():
+    """MXShare.summary (MXReportCallback's end-of-training line) words the converted GEMMs as
+    Report.summary does: one family by its name, several with their counts."""
+    from mxcompile.integrations.hf import MXShare
+
+    def share(formats):
+        return MXShare(graphs=1, gemms=38, converted_gemms=24, gemm_flops=100, converted_flops=50,
+                       kept_reasons=(), formats=formats).summary()
+
+    assert share({"nvfp4": 24}).startswith("1 graph(s): 24 of 38 GEMMs in NVFP4, 50.0% of GEMM FLOPs")
+    assert share({"nvfp4": 21, "mxfp8": 3}).startswith("1 graph(s): 24 of 38 GEMMs converted (NVFP4 21, MXFP8 3)")
+    assert share({}).startswith("1 graph(s): 24 of 38 GEMMs in MXFP8")

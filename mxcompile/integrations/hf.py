@@ -35,6 +35,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..backend import configured_backend, end_measured_step, report_of, step_coverage_of
 from ..config import MXConfig
 from ..coverage import warn_uncompiled
+from ..report import converted_phrase
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,7 @@ class MXShare:
         """One line, e.g. '2 graphs: 30 of 32 GEMMs in MXFP8, 99.1% of GEMM FLOPs; the step
         (run time): 99.1% of its GEMM FLOPs in MX; kept: ...', or with several formats
         '1 graph(s): 24 of 38 GEMMs converted (NVFP4 24), ...'."""
-        if set(self.formats) <= {"mxfp8"}:
-            converted = f"{self.converted_gemms} of {self.gemms} GEMMs in MXFP8"
-        else:
-            shares = ", ".join(f"{family.upper()} {n}" for family, n in self.formats.items())
-            converted = f"{self.converted_gemms} of {self.gemms} GEMMs converted ({shares})"
+        converted = converted_phrase(self.converted_gemms, self.gemms, self.formats)
         line = f"{self.graphs} graph(s): {converted}, {self.converted_flop_fraction:.1%} of GEMM FLOPs"
         if self.step_flop_fraction is not None:
             line += f"; the step (run time): {self.step_flop_fraction:.1%} of all its GEMM FLOPs in MX"
