@@ -5,11 +5,7 @@ reference."""
 import triton
 import triton.language as tl
 
-from .mx_tile import E8M0_NAN, E8M0_ONE, quantize_blocks, scale_fp32
-
-# bf16 has 7 mantissa bits; 2**-127 in bf16 is a subnormal, the mantissa's top bit alone.
-BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(7)
-BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << 6)
+from .mx_tile import E8M0_NAN, E8M0_ONE, expansion_scale, quantize_blocks, scale_fp32
 
 # GELU constants: tanh form sqrt(2/pi) and its cubic coefficient; erf form 1/sqrt(2).
 GELU_TANH_SCALE: tl.constexpr = tl.constexpr(0.7978845608028654)
@@ -100,19 +96,9 @@ def _operand_tiles(
 
 
 @triton.jit
-def scale_bf16(scale_bytes):
-    """bf16 2**(b - 127) of each E8M0 scale byte b, from its bits (b lands in bf16's exponent
-    field); 2**-127, a bf16 subnormal, for b = 0. b = 255 (NaN) gives +inf here: the caller
-    makes the rows and columns of such blocks NaN (a select per scale here would be repeated
-    for every element the scale multiplies: compiled for sm90, 16% of the K loop)."""
-    bits = tl.maximum(scale_bytes.to(tl.int32) << BF16_MANTISSA_BITS, BF16_SMALLEST_SCALE_BITS)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def expand_bf16(data, scale):
-    """The bf16 values of FP8 `data` times bf16 powers of two `scale` (`scale_bf16`, broadcast
-    against it), exact: an FP8 value is a bf16, and so is its product with a power of two,
+    """The bf16 values of FP8 `data` times bf16 powers of two `scale` (`expansion_scale(..., "bf16")`,
+    broadcast against it), exact: an FP8 value is a bf16, and so is its product with a power of two,
     unless the product's last bit falls below bf16's smallest subnormal 2**-133 (scale bytes
     below 3 for e4m3, below 10 for e5m2) or it overflows, as the fp32 product would. One packed
     bf16 multiply per two elements on sm90 (the interpreter needs `interpreter_bf16_arithmetic`)."""
@@ -221,11 +207,14 @@ def mx_mm_kernel(
                 )
                 if MAIN_LOOP == "expand_bf16":
                     # Hopper has no MX tensor cores: the block's exact bf16 values, multiplied
-                    # by a bf16 MMA (wgmma on sm90) that accumulates in fp32.
+                    # by a bf16 MMA (wgmma on sm90) that accumulates in fp32. A scale byte 255
+                    # (NaN) expands to +inf: its rows and columns are made NaN after the loop
+                    # (a select per scale would be repeated for every element the scale
+                    # multiplies: compiled for sm90, 16% of the K loop).
                     nan_rows |= a_scale == E8M0_NAN
                     nan_cols |= b_scale == E8M0_NAN
-                    a16 = expand_bf16(a, scale_bf16(a_scale)[:, None])
-                    b16 = expand_bf16(b, scale_bf16(b_scale)[None, :])
+                    a16 = expand_bf16(a, expansion_scale(a_scale, "bf16")[:, None])
+                    b16 = expand_bf16(b, expansion_scale(b_scale, "bf16")[None, :])
                     acc = tl.dot(a16, b16, acc, out_dtype=tl.float32)
                 else:
                     partial = tl.dot(a, b, out_dtype=tl.float32)

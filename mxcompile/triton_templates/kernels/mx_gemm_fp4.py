@@ -5,8 +5,8 @@ the paths, the exactness argument and the reference."""
 import triton
 import triton.language as tl
 
-from .mx_gemm import _program_tile, scale_bf16
-from .mx_tile import E8M0_NAN, E8M0_ONE
+from .mx_gemm import _program_tile
+from .mx_tile import E8M0_NAN, E8M0_ONE, expansion_scale
 
 # E2M1 code bits: sign (bit 3), then a 3-bit magnitude, exponent field (2 bits) and mantissa bit.
 E2M1_SIGN: tl.constexpr = tl.constexpr(0x8)
@@ -57,10 +57,10 @@ def unpack_columns(packed):
 
 @triton.jit
 def block_scale_bf16(scale_bytes, SCALE_FORMAT: tl.constexpr):
-    """bf16 values of block scale bytes: E8M0 powers of two (`scale_bf16`; 255 gives +inf, the
-    caller makes its rows NaN) or E4M3 values (exact in bf16; NaN stays NaN)."""
+    """bf16 values of block scale bytes: E8M0 powers of two (`expansion_scale`; 255 gives +inf,
+    the caller makes its rows NaN) or E4M3 values (exact in bf16; NaN stays NaN)."""
     if SCALE_FORMAT == "e8m0":
-        return scale_bf16(scale_bytes)
+        return expansion_scale(scale_bytes, "bf16")
     else:
         return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
 
