@@ -1,14 +1,16 @@
 """Lowering of rewritten forward / backward / inference graphs.
 
-Every MX GEMM that does not run the Triton MX GEMM (all of them on CPU) becomes a
-high-precision GEMM of its exactly dequantized operands (`lower_mx_gemms`). On CPU the quantize
-ops (`mxcompile.ops.CPU_KERNEL_OPS`) then stay opaque: Inductor runs them as fallback kernels,
-whose CPU kernels are native (`mxcompile.ops.native`, built once per machine) or else compiled
-graphs shared by every shape (`mxcompile.ops.cpu_kernels`), so Inductor does not generate and
-compile a quantize loop body per GEMM operand. On CUDA the ops
-whose CUDA kernel is a Triton one (`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque, and the others
-are decomposed into their Inductor forms, which Inductor fuses into its Triton kernels. The
-graph then goes to Inductor's inner compiler.
+Every MX GEMM that does not run a Triton GEMM kernel (`runs_triton_mx_gemm`: all of them on
+CPU) becomes a high-precision GEMM of its exactly dequantized operands (`lower_mx_gemms`; the
+FP4 GEMMs: `lower_fp4_gemms`). On CPU the quantize ops (`mxcompile.ops.CPU_KERNEL_OPS`) then
+stay opaque: Inductor runs them as fallback kernels, whose CPU kernels are native
+(`mxcompile.ops.native`, built once per machine) or else compiled graphs shared by every shape
+(`mxcompile.ops.cpu_kernels`), so Inductor does not generate and compile a quantize loop body
+per GEMM operand. On CUDA the ops whose CUDA kernel is a Triton one
+(`mxcompile.ops.CUDA_KERNEL_OPS`) stay opaque, and the others are decomposed into their
+Inductor forms, which Inductor fuses into its Triton kernels. The FP4 ops have no Inductor
+form and stay opaque on every device (on CUDA, `mx_mm_fp4`'s kernel is the Triton FP4 GEMM).
+The graph then goes to Inductor's inner compiler.
 """
 
 from __future__ import annotations
@@ -126,25 +128,40 @@ def _producing_quantize(data: fx.Node, scale: fx.Node) -> fx.Node | None:
     return None
 
 
-def runs_triton_mx_gemm(kernel: GemmKernel, device: torch.device) -> bool:
-    """Whether a compiled graph on `device` runs its MX GEMMs with the Triton MX GEMM kernel
-    (else: a high-precision GEMM of the exactly dequantized operands, `lower_mx_gemms`).
+def runs_triton_mx_gemm(kernel: GemmKernel, device: torch.device, *, fp4: bool = False) -> bool:
+    """Whether a compiled graph on `device` runs its MX GEMMs (`fp4`: its FP4 GEMMs,
+    `mxcompile::mx_mm_fp4`) with the Triton GEMM kernel, the op's CUDA kernel; else with a GEMM
+    of the exactly dequantized operands (`lower_mx_gemms`, `lower_fp4_gemms`). Both are exact.
 
-    CPU graphs never do (no Triton). On CUDA, "auto" takes the Triton kernel where the GPU has
-    MX tensor cores: below sm100 Triton emulates tl.dot_scaled through bf16, which on an H200
-    ran at 193 TFLOP/s against cuBLAS bf16's 720-737 on the same exact products
-    (`benchmarks/gpu_kernels.py`, 2026-12-04: the README's GPU section)."""
+    CPU graphs never do (no Triton: Inductor's CPU code). On CUDA, "auto" takes the form that
+    issues fewer instructions per product, compiled ahead of time without a GPU (a static
+    proxy; `benchmarks/gpu_session.sh` times both forms on a GPU):
+      * MXFP8: the Triton MX GEMM where the GPU has MX tensor cores (sm100+: block-scaled
+        `tcgen05.mma`); below them cuBLAS on operands dequantized exactly to bf16. On sm90 the
+        Triton kernel's loop there (expand_bf16) issues 0.52x the instructions per product of
+        Triton's tl.dot_scaled upcast but 4.9x a bf16 `tl.dot` GEMM's with the same tiles
+        (`gemm_comparison` in benchmarks/results/kernel_static.json, 2026-12-07), and on an H200
+        a training step with the Triton MX GEMM (then tl.dot_scaled) ran 5.37x bf16 against
+        1.27x dequantized (2026-12-04, docs/benchmarks.md).
+      * FP4: the Triton FP4 GEMM on every GPU: sm100+ multiplies E2M1 on block-scaled
+        `tcgen05.mma`, below it the expand_bf16 loop on bf16 tensor cores (wgmma on sm90). The
+        dequantized form is an fp32 GEMM (`mx_mm_fp4_reference`: a bf16 product would be
+        rounded before the tensor scales apply), off the tensor cores with TF32 off (torch's
+        default): at least one FFMA per 32 products per warp, 0.031 instructions per product,
+        against expand_bf16's 0.0037 (MXFP4) and 0.0043 (NVFP4) compiled for sm90
+        (docs/fp4.md, 2026-12-07)."""
     if torch.device(device).type != "cuda":
         return False
     if kernel is GemmKernel.AUTO:
-        return has_mx_tensor_cores(device)
+        return fp4 or has_mx_tensor_cores(device)
     return kernel is GemmKernel.TRITON
 
 
 def _runs_dequantized(node: fx.Node) -> bool:
-    """For an mx_mm node, or a quantize node of an MX GEMM: not the Triton kernels."""
+    """For an mx_mm or mx_mm_fp4 node, or a quantize node of an MX GEMM: not the Triton kernels."""
     device = value_device(node.args[0])  # an input's: a quantize node's value is a tuple
-    return not runs_triton_mx_gemm(node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO), device)
+    kernel = node.meta.get(GEMM_KERNEL_KEY, GemmKernel.AUTO)
+    return not runs_triton_mx_gemm(kernel, device, fp4=node.target is MX_MM_FP4)
 
 
 def lower_cuda_quantizes(gm: fx.GraphModule) -> int:
@@ -200,14 +217,16 @@ def _producing_fp4_quantize(data: fx.Node, scale: fx.Node, tensor_scale: fx.Node
 
 
 def lower_fp4_gemms(gm: fx.GraphModule) -> int:
-    """Rewrite each mxcompile::mx_mm_fp4 (all of them, on every device: the Triton FP4 GEMM, `mx_mm_fp4`'s CUDA kernel, is not used by compiled graphs yet) into
-    the FP4 GEMM of its operands' block values: an operand quantized in this graph is
-    fake-quantized from its source (`mxcompile::fake_quantize_fp4`: the same draws, transform
-    and rounding, no packing), one that arrives packed (saved by the forward) is dequantized
-    (`mxcompile::dequantize_fp4`). The ops stay opaque. Returns the count."""
+    """Rewrite each mxcompile::mx_mm_fp4 that runs dequantized (`runs_triton_mx_gemm`: all of
+    them on CPU; on CUDA only those whose node records gemm_kernel "dequantized": the others
+    stay, their CUDA kernel the Triton FP4 GEMM) into the FP4 GEMM of their operands' block
+    values: an operand quantized in this graph is fake-quantized from its source
+    (`mxcompile::fake_quantize_fp4`: the same draws, transform and rounding, no packing), one
+    that arrives packed (saved by the forward) is dequantized (`mxcompile::dequantize_fp4`).
+    The ops stay opaque. Returns the count."""
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not MX_MM_FP4:
+        if node.op != "call_function" or node.target is not MX_MM_FP4 or not _runs_dequantized(node):
             continue
         a, a_scale, a_decode, b, b_scale, b_decode, block_format, out_dtype = node.args
         with gm.graph.inserting_before(node):
