@@ -11,6 +11,7 @@ scales (the saturating clamp of P's rounding)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ import triton.language as tl
 
 from attention_exactness import octave_operands, quantized, torch_primitives  # noqa: F401
 from mxcompile.ops.attention_reference import AttentionOptions, attention_forward_impl
-from mxcompile.numerics import dequantize_along
+from mxcompile.numerics import dequantize_along, formats
 from mxcompile.triton_templates import mx_attention_triton
+from mxcompile.triton_templates.common import exponent_bias
 from mxcompile.triton_templates.loader import kernel_module
 
 _TILE = None  # the interpreted `kernels/mx_tile.py`, which `_round_tile` calls (set by its test)
@@ -102,3 +104,25 @@ def test_mx_round_in_registers_matches_the_numerics_core(elem: str, scale_mode: 
     ref = dequantize_along(*quantized(x, -1, elem, scale_mode), 1, 32, torch.float32)
     assert torch.equal(out.isnan(), ref.isnan())
     assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_gpu_rounding_moves_the_fp8_byte_under_bf16s_exponent_exactly(elem: str) -> None:
+    """The integer step of `mx_round`'s GPU path for P (`_round_unsigned_asm`, which the CPU
+    cannot run): a non-negative FP8 byte shifted left by the asm's shift, read as bf16, times
+    bf16 2**(scale - bias) equals the element's value times 2**scale rounded to bf16 (what the
+    signed path's conversion and multiply give), for every byte and every scale byte up to
+    127 + bias (P's are below 127). ~0.1 s."""
+    tile = kernel_module("mx_tile", interpret=True)
+    shift = int(re.search(r"shl\.b32 w, w, (\d+);", tile._round_unsigned_asm(elem)).group(1))
+    fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem]
+    bias = exponent_bias({"e4m3": formats.E4M3, "e5m2": formats.E5M2}[elem])
+    data = torch.arange(128, dtype=torch.int16)
+    values = data.to(torch.uint8).view(fp8).float()
+    finite = values.isfinite()
+    shifted = (data << shift).view(torch.bfloat16)
+    scales = torch.arange(0, 128 + bias)
+    factor = torch.pow(2.0, (scales - bias).double()).to(torch.bfloat16)
+    got = shifted[None, :] * factor[:, None]
+    want = (values[None, :] * torch.pow(2.0, (scales - 127).double()).float()[:, None]).to(torch.bfloat16)
+    assert torch.equal(got[:, finite].view(torch.int16), want[:, finite].view(torch.int16))

@@ -42,7 +42,8 @@ F32_SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 # 2**-127 (an fp32 subnormal): the mantissa's top bit alone.
 F32_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << (formats.F32_MANTISSA_BITS - 1))
 # bf16's mantissa width, and its 2**-127 (a subnormal: the mantissa's top bit alone).
-BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(7)
+_BF16_MANTISSA_BITS = 7
+BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(_BF16_MANTISSA_BITS)
 BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << 6)
 # Bits to drop, at most, when rounding an fp32 significand (keeps the shift below 31).
 F32_MAX_ROUNDING_SHIFT: tl.constexpr = tl.constexpr(30)
@@ -171,12 +172,9 @@ def scale_bytes(amax, nonfinite, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):
     tl.static_assert(is_scale_mode(SCALE_MODE), "SCALE_MODE: rceil, floor, ceil or even")
     if SCALE_MODE == "rceil":
         # rceil: descale = amax * fp32(1/max), rounded up to a power of two.
-        descale_bits = (amax * elem_reciprocal_max(ELEM)).to(tl.int32, bitcast=True)
-        exponent, mantissa = _exponent_and_mantissa(descale_bits)
-        normal = exponent + (mantissa != 0).to(tl.int32)
-        # A subnormal descale rounds up to 2**-126 (byte 1) only when it exceeds 2**-127.
-        subnormal = (mantissa > F32_SMALLEST_SCALE_BITS).to(tl.int32)
-        biased = tl.where(exponent == 0, subnormal, normal)
+        descale_bits = (amax * elem_reciprocal_max(ELEM)).to(tl.uint32, bitcast=True)
+        rounded_up = tl.minimum(descale_bits + F32_MANTISSA_MASK, 2 * descale_bits - 1)
+        biased = tl.minimum((rounded_up >> F32_MANTISSA_BITS).to(tl.int32), E8M0_MAX_BYTE)
     else:
         # floor, ceil, even: floor(log2(amax)) - emax, where even first rounds amax half-up to
         # the element's mantissa width (a carry bumps the exponent) and ceil rounds log2 up.
@@ -186,19 +184,14 @@ def scale_bytes(amax, nonfinite, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr):
         exponent, mantissa = _exponent_and_mantissa(bits)
         if SCALE_MODE == "ceil":
             exponent = exponent + (mantissa != 0).to(tl.int32)
-        biased = exponent - elem_emax(ELEM)
-    biased = tl.minimum(tl.maximum(biased, 0), E8M0_MAX_BYTE)
+        biased = tl.minimum(tl.maximum(exponent - elem_emax(ELEM), 0), E8M0_MAX_BYTE)
     return tl.where(nonfinite, E8M0_NAN, biased)
 
 
 @triton.jit
 def inverse_scale(scale_bytes):
     """fp32 2**(127 - b) of each scale byte (2**-127, an fp32 subnormal, for b = 254)."""
-    bits = tl.where(
-        scale_bytes == E8M0_MAX_BYTE,
-        F32_SMALLEST_SCALE_BITS,
-        (2 * E8M0_BIAS - scale_bytes) << F32_MANTISSA_BITS,
-    )
+    bits = tl.maximum((2 * E8M0_BIAS - scale_bytes) << F32_MANTISSA_BITS, F32_SMALLEST_SCALE_BITS)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -327,6 +320,48 @@ def load_mx_tile(
     return tl.reshape(x, (ROWS, HEAD_DIM))
 
 
+# Two bf16 quiet NaNs in one int32 (the factor of a non-finite block in `_round_unsigned_bf16`).
+BF16X2_QUIET_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC07FC0)
+BF16_HALF_BITS: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def bf16x2_pow2_bits(exponent):
+    """Two bf16 copies of 2**exponent in one int32, for a packed multiply (exponent in
+    [-126, 127]: a normal bf16)."""
+    half = (exponent + F32_EXPONENT_BIAS) << BF16_MANTISSA_BITS
+    return half | (half << BF16_HALF_BITS)
+
+
+@triton.constexpr_function
+def _round_unsigned_asm(elem):
+    """PTX for two fp32 values y0, y1 >= 0 ($1, $2) and a bf16x2 factor ($3): both rounded to
+    the element format by the hardware cast (nearest even, saturating; NaN stays NaN), the two
+    FP8 bytes spread to the low byte of each 16-bit half (prmt) and shifted under bf16's
+    exponent field, then multiplied by the factor ($0: bf16 x0 in the low half). A byte
+    0eee..mm.. shifted by 7 - mantissa bits is the bf16 whose exponent and mantissa fields are
+    the byte's: the element's value times 2**(bias - 127), subnormals included (bf16 has fp32's
+    exponent range), so a factor 2**(scale - bias) gives value * 2**scale, rounded once."""
+    shift = _BF16_MANTISSA_BITS - _FORMATS[elem].mantissa_bits
+    return (
+        "{ .reg .b16 q; .reg .b32 w;\n"
+        f"cvt.rn.satfinite.{elem}x2.f32 q, $2, $1;\n"
+        "cvt.u32.u16 w, q;\n"
+        "prmt.b32 w, w, 0, 0x2120;\n"
+        f"shl.b32 w, w, {shift};\n"
+        "mul.rn.bf16x2 $0, w, $3; }"
+    )
+
+
+@triton.jit
+def _round_unsigned_bf16(y, factor, ELEM: tl.constexpr):
+    """bf16 of fp32 y >= 0 (already scaled into the element format's range) rounded to the
+    element format ELEM and multiplied by `factor` (int32, `bf16x2_pow2_bits`), two elements
+    per instance of `_round_unsigned_asm`: 5 instructions per pair on sm90."""
+    return tl.inline_asm_elementwise(_round_unsigned_asm(ELEM), "=r,r,r,r,r", [y, factor],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
 @triton.jit
 def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
              ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr,
@@ -334,13 +369,18 @@ def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexp
     """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, as the MMA operand in dtype
     DOT: the dequantized value an MX GEMM multiplies (`mxcompile.numerics`: the block scale
     from the block's amax, x scaled by its inverse, clamped, rounded to the element format's
-    nearest even, scaled back; a block holding a NaN or an Inf is all NaN). No FP8 byte is
-    formed: rounding to the element grid is the fp32 add and subtract of a power of two,
-    2**(23 - mantissa bits) times the grid's exponent (that of the scaled value, or the
-    format's smallest normal below it), signed like the value. The rounded value (an element
-    of the format) converts to DOT exactly and is scaled back there (exact as `load_mx_tile`'s
-    expansion; one packed multiply per two elements in bf16). SIGNED=False: x >= 0 (P), which
-    saves the sign's operations."""
+    nearest even, scaled back; a block holding a NaN or an Inf is all NaN).
+
+    DOT "fp32" (the interpreter, whose fp32 -> FP8 cast rounds ties away): rounding to the
+    element grid is the fp32 add and subtract of a power of two, 2**(23 - mantissa bits) times
+    the grid's exponent (that of the scaled value, or the format's smallest normal below it),
+    signed like the value; the rounded value is scaled back in fp32. DOT "bf16" (a GPU): the
+    hardware cast rounds (cvt.rn.satfinite, the same nearest-even grid); the element converts
+    to bf16 exactly and is scaled back there, one packed multiply per two elements, exact as
+    `load_mx_tile`'s expansion. SIGNED=False: 0 <= x < 2**15 (P, at most 1): no sign
+    operations, and on a GPU the FP8 byte is moved under bf16's exponent field by integer
+    operations (`_round_unsigned_asm`; its factor 2**(scale - bias) is a normal bf16 for
+    every scale such values get)."""
     blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
     # The block amax on the bits: NaN bits exceed Inf's, so one integer max finds both.
     abs_bits = blocks.to(tl.int32, bitcast=True)
@@ -357,14 +397,23 @@ def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexp
         # to the max below); the other modes saturate (keeping a non-finite block's NaN).
         y = tl.maximum(y, -elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
         y = tl.minimum(y, elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
-    y_bits = y.to(tl.int32, bitcast=True)
-    offset = elem_magic_offset(ELEM)
-    magic_bits = tl.maximum((y_bits & F32_EXPONENT_FIELD) + offset, elem_min_normal_field(ELEM) + offset)
-    if SIGNED:
-        magic_bits = magic_bits | (y_bits & F32_SIGN_BIT)
-    magic = magic_bits.to(tl.float32, bitcast=True)
-    rounded = ((y + magic) - magic).to(dot_type(DOT))
-    return tl.reshape(rounded * tl.expand_dims(expansion_scale(scale, DOT), 2), (ROWS, COLS))
+    if DOT == "bf16" and not SIGNED:
+        pow2 = bf16x2_pow2_bits(scale - elem_exponent_bias(ELEM))
+        factor = tl.where(nonfinite, BF16X2_QUIET_NAN_BITS, pow2)
+        rounded = _round_unsigned_bf16(y, tl.expand_dims(factor, 2), ELEM)
+    else:
+        if DOT == "bf16":
+            elements = y.to(fp8_type(ELEM), fp_downcast_rounding="rtne").to(tl.bfloat16)
+        else:
+            y_bits = y.to(tl.int32, bitcast=True)
+            offset = elem_magic_offset(ELEM)
+            magic_bits = tl.maximum((y_bits & F32_EXPONENT_FIELD) + offset, elem_min_normal_field(ELEM) + offset)
+            if SIGNED:
+                magic_bits = magic_bits | (y_bits & F32_SIGN_BIT)
+            magic = magic_bits.to(tl.float32, bitcast=True)
+            elements = ((y + magic) - magic).to(dot_type(DOT))
+        rounded = elements * tl.expand_dims(expansion_scale(scale, DOT), 2)
+    return tl.reshape(rounded, (ROWS, COLS))
 
 
 @triton.jit
