@@ -13,10 +13,12 @@ import torch
 MX_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# The Triton kernels on CUDA. The kernels take one head count for q, k and v, no mask, and
-# head_dim a power of two; the forward kernel has MX in both GEMMs. `tl.dot_scaled` groups 32
-# elements per scale.
+# The Triton kernels on CUDA (`mxcompile.triton_templates.attention*`): they load Q, K, V and dO
+# quantized outside them (FP8 data and E8M0 scales, by the quantize kernel), expand the tiles
+# exactly to bf16 for bf16 MMAs and round P and dS to MX in registers. Their launchers take the
+# OCP MX block of 32 elements, and the FP8 element formats their expansion converts.
 TRITON_BLOCK_SIZE = 32
+TRITON_ELEMS = ("e4m3", "e5m2")
 
 
 def triton_attention_unsupported(
@@ -40,21 +42,25 @@ def triton_attention_unsupported(
       * an attn_mask: the kernels apply only is_causal;
       * grouped-query attention (fewer key/value heads than query heads): the kernels index k
         and v by the query head;
-      * forward only: attention_mode other than "both" (the forward kernel quantizes both
+      * forward only: attention_mode other than "both" (the forward kernel has MX in both
         GEMMs; the backward kernels do "both", "qk_only" and "off");
-      * block_size other than 32 (tl.dot_scaled's MX group);
-      * an element format that tl.dot_scaled does not take; a dtype other than fp32/bf16/fp16;
-      * value head_dim different from the query's, or head_dim not a power of two >= 32;
-      * a key length not a multiple of the block size; is_causal with query length != key
-        length (the kernels' causal mask is top-left aligned on a square);
+      * block_size other than 32: the launchers take the OCP MX block only;
+      * an element format other than FP8 e4m3/e5m2 (the formats the tile expansion converts);
+        a dtype other than fp32/bf16/fp16;
+      * value head_dim different from the query's, or head_dim not a power of two >= 32 (one
+        HEAD_DIM, a power of two for tl.arange, holding whole scale blocks);
+      * with MX products (attention_mode not "off"), a length they contract in blocks that is
+        not a multiple of block_size: the keys (O = P·V, dQ = dS·K) and, for the backward, the
+        queries (dK = dSᵀ·Q; dV = Pᵀ·dO in mode "both"); the numerics core quantizes whole
+        blocks only. Lengths that are not multiples of the kernels' tiles are fine (masked);
+      * is_causal with query length != key length (the kernels' causal mask is top-left
+        aligned on a square);
       * tensors on different devices;
       * with check_device, what `triton_available` says (no triton, no CUDA GPU, compute
         capability below sm89; CPU tensors only under TRITON_INTERPRET=1).
 
     key_tile is not a reason: the kernels' results do not depend on their tile sizes beyond fp32
     summation order, so they choose their own (autotuned on a GPU)."""
-    from ..triton_templates.common import DOT_SCALED_FORMATS
-
     if attn_mask is not None:
         return "an attn_mask: the Triton attention kernels take no mask (only is_causal)"
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -66,10 +72,10 @@ def triton_attention_unsupported(
         return (f"attention_mode={attention_mode!r}: the Triton forward kernel has MX in both GEMMs only "
                 "(attention_mode 'both')")
     if block_size != TRITON_BLOCK_SIZE:
-        return f"block_size={block_size}: tl.dot_scaled's MX group is {TRITON_BLOCK_SIZE}"
+        return f"block_size={block_size}: the Triton attention kernels take the MX block of {TRITON_BLOCK_SIZE}"
     for name, elem in (("forward_elem", forward_elem), ("grad_elem", grad_elem)):
-        if elem is not None and elem not in DOT_SCALED_FORMATS:
-            return f"{name}={elem!r}: tl.dot_scaled takes {sorted(DOT_SCALED_FORMATS)}"
+        if elem is not None and elem not in TRITON_ELEMS:
+            return f"{name}={elem!r}: the Triton attention kernels expand FP8 {list(TRITON_ELEMS)}"
     tensors = (q, k, v, *backward_tensors)
     lse = backward_tensors[2] if len(backward_tensors) == 3 else None
     for t in tensors:
@@ -82,8 +88,12 @@ def triton_attention_unsupported(
         return f"value head_dim {v.shape[-1]} != query head_dim {width}: the Triton kernels need one head_dim"
     if width < TRITON_BLOCK_SIZE or width & (width - 1):
         return f"head_dim {width}: the Triton attention kernels need a power of two >= {TRITON_BLOCK_SIZE}"
-    if k.shape[2] % block_size:
-        return f"key length {k.shape[2]} is not a multiple of block_size={block_size}"
+    if attention_mode != "off":
+        lengths = [("key", k.shape[2])] + ([("query", q.shape[2])] if grad_elem is not None else [])
+        for what, length in lengths:
+            if length % block_size:
+                return (f"{what} length {length} is not a multiple of block_size={block_size}: an MX product "
+                        f"contracts the {what}s in whole blocks")
     if is_causal and q.shape[2] != k.shape[2]:
         return (f"is_causal with query length {q.shape[2]} != key length {k.shape[2]}: the Triton "
                 "kernels' causal mask is top-left aligned on a square")

@@ -161,6 +161,17 @@ def test_selection_on_fake_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None
     assert "attn_mask" in why(q, k, v, mask=mask, causal=False)
     assert "grouped-query" in why(q, kv, kv)
     assert "attention_mode='off'" in why(q, k, v, attention_mode="off")
+    # Lengths an MX product contracts in blocks of 32: the keys, and for the backward the queries
+    # (not in mode "off", which has no MX product); 96 is not a multiple of the kernels' tiles
+    # (64, 128) and runs.
+    with FakeTensorMode():
+        q80, q96 = (torch.empty(2, 4, n, 64, device="cuda", dtype=torch.bfloat16) for n in (80, 96))
+        lse80 = torch.empty(2, 4, 80, device="cuda")
+    assert why(q96, q96, q96, causal=False) is None
+    assert "key length 80 is not a multiple of block_size=32" in why(q, q80, q80, causal=False)
+    backward = dict(grad_elem="e4m3", backward_tensors=(q80, q80, lse80), causal=False)
+    assert "query length 80 is not a multiple" in why(q80, k, v, **backward)
+    assert why(q80, k, v, attention_mode="off", **backward) is None
     # Checked against the device too: without a GPU, triton_available says why not.
     if not torch.cuda.is_available():
         reason = triton_attention_unsupported(q, k, v, None, True, "both", "e4m3", 32)
