@@ -22,7 +22,9 @@ token axis with `rht`. The draws come from a hash of the operand (`draw_seed`, w
 quantizers (`quantize_nvfp4` / `quantize_mxfp4`, decoded code by code). The FP4 GEMM: the fp32
 product of the block values times fp32(S_dec(a) * S_dec(b)). Linear layers in the
 high-precision set (the last ~15% in forward order and the lm_head, found by running the model
-once) stay in high precision; batched GEMMs (attention) stay in high precision too
+once; a layer is its module's name, a weight tied to an embedding the name of the module that is
+not the embedding) stay in high precision, as does a GEMM whose contraction padded to the block
+would be at least twice as long; batched GEMMs (attention) stay in high precision too
 (attention="off", the FP4 recipes' default); any other GEMM is MXFP8 as in `MXOracle`.
 """
 
@@ -150,10 +152,23 @@ class _LinearOrder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def parameter_modules(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's module name. A parameter that several modules share (tied weights: the
+    lm_head and the token embedding) is named after a module that is not an embedding, the one
+    that runs its GEMMs, as a graph's module stack names it; named_parameters() gives the first
+    name (GPT-2's lm_head as transformer.wte, which the recipe's lm_head rule would not match)."""
+    names: dict[nn.Parameter, str] = {}
+    modules = sorted(model.named_modules(remove_duplicate=False), key=lambda item: isinstance(item[1], nn.Embedding))
+    for module_name, module in modules:  # embeddings last (a stable sort): they name what is left
+        for p in module.parameters(recurse=False):
+            names.setdefault(p, module_name)
+    return names
+
+
 def high_precision_modules(model: nn.Module, run: Callable[[nn.Module], Any], setting: float | int) -> set[str]:
     """The linear layers the recipe keeps: the lm_head and the last round(f * n) (halves up) of
     the other n, in forward order (a run of the model under no_grad finds the order)."""
-    parameters = {_storage(p): name.rsplit(".", 1)[0] for name, p in model.named_parameters()}
+    parameters = {_storage(p): name for p, name in parameter_modules(model).items()}
     recorder = _LinearOrder(parameters)
     with torch.no_grad(), recorder:
         run(model)
@@ -164,15 +179,18 @@ def high_precision_modules(model: nn.Module, run: Callable[[nn.Module], Any], se
 
 
 class FP4Oracle(MXOracle):
-    """The module docstring's rules; counts the GEMMs of each role in `roles`."""
+    """The module docstring's rules; counts the GEMMs of each role in `roles`, and the linear
+    layers' GEMMs kept in high precision: by the recipe (`high_precision`) or because padding K
+    to the block would at least double the work (`short_contraction`)."""
 
     def __init__(self, model: nn.Module, recipe: FP4OracleRecipe, high_precision: set[str],
                  decompositions: dict | None = None):
         super().__init__(decompositions=decompositions)
         self.recipe, self.high_precision = recipe, high_precision
-        self.parameters = {p: name.rsplit(".", 1)[0] for name, p in model.named_parameters()}
+        self.parameters = parameter_modules(model)
         self.by_storage = {_storage(p): p for p in self.parameters}
-        self.roles: dict[str, int] = {"output": 0, "input_grad": 0, "weight_grad": 0, "high_precision": 0}
+        self.roles: dict[str, int] = {"output": 0, "input_grad": 0, "weight_grad": 0, "high_precision": 0,
+                                      "short_contraction": 0}
 
     def _node_parameter(self, node: Any) -> nn.Parameter | None:
         """The parameter an autograd node takes as an input (through view nodes), if any."""
@@ -233,9 +251,10 @@ class FP4Oracle(MXOracle):
             return super().__torch_dispatch__(func, types, args, kwargs)
         role, module, kinds = found
         length = lhs.shape[-1]
-        keep = -(-length // self.recipe.block) * self.recipe.block >= KEEP_PADDING_FACTOR * length
-        if module in self.high_precision or keep:
-            self.roles["high_precision"] += 1
+        short = -(-length // self.recipe.block) * self.recipe.block >= KEEP_PADDING_FACTOR * length
+        if short or module in self.high_precision:
+            # Kept either way; a GEMM both rules keep counts as short, the reason a report gives.
+            self.roles["short_contraction" if short else "high_precision"] += 1
             self.kept += 1
             return self._high_precision(func, args, kwargs)
         self.roles[role] += 1
