@@ -150,10 +150,16 @@ def alias_root(node: fx.Node) -> fx.Node:
 # at every shape measured. (One constant per op before, 23 and 33 query copies, the worst case
 # of all shapes: at head_dim 64 it counted 2.3x and 1.6x the measured scratch, which with
 # several elements per chunk put the small GPT's modelled peak 11% over the measured one.)
+# The backward remeasured at the same shapes after it dropped its fp32 operand copies and each
+# tile's P early and stopped copying one chunk's gradients (2026-12-07, issue 46; fp32
+# sequence-major inputs, as HF's attention gives them): 10.0 / 12.0 / 16.1 query copies run as
+# one chunk, 13.0 / 15.0 / 19.1 per element run in several (each chunk's fp32 gradients, then
+# copied into the op's outputs, are three more); the forward, no longer holding one chunk's
+# outputs through the next chunk's call, 8.0 / 10.1 / 14.2.
 ATTENTION_WORKSPACE_COPIES: dict[str, tuple[int, int, int]] = {
     # schema name: (index of the query argument, fp32 query copies, fp32 score-tile copies)
-    ATTENTION_SCHEMA_NAME: (0, 8, 2),
-    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 16, 3),
+    ATTENTION_SCHEMA_NAME: (0, 7, 2),
+    ATTENTION_BACKWARD_SCHEMA_NAME: (1, 12, 2),
 }
 
 

@@ -137,6 +137,7 @@ def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
                                               options)
         out[part].copy_(out_b)
         lse[part].copy_(lse_b)
+        del out_b, lse_b  # not held through the next chunk's call
     return out, lse
 
 
@@ -179,12 +180,16 @@ def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: A
     """The op's outputs, in its layouts, from the torch implementation, `batch_chunk` batch
     elements at a time (as `_attention_forward_torch`)."""
     batch = q.shape[0]
+    chunks = _batch_chunks(batch, options.batch_chunk)
+    if len(chunks) == 1:  # the implementation's gradients are sequence-major: no second buffer
+        return attention_backward_impl(grad_out, q, k, v, attn_mask, out, lse, options)
     grads = tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
-    for part in _batch_chunks(batch, options.batch_chunk):
+    for part in chunks:
         parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
                                         out[part], lse[part], options)
         for grad, grad_b in zip(grads, parts):
             grad[part].copy_(grad_b)
+        del parts, grad_b  # not held through the next chunk's call
     return grads
 
 

@@ -261,6 +261,12 @@ def _tile_starts(q_len: int, k_len: int, key_tile: int, is_causal: bool):
         yield k_lo, q_lo
 
 
+def _zeros_sequence_major(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """fp32 zeros of `shape` (B, H, T, e) laid out (B, T, H, e), as the ops' gradients are."""
+    batch, heads, seq, width = shape
+    return torch.zeros((batch, seq, heads, width), device=device).transpose(1, 2)
+
+
 def attention_forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -315,7 +321,11 @@ def attention_backward_impl(
     options: AttentionOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key-tiled MX attention backward: (dq, dk, dv) in the dtypes of q, k, v. Recomputes S and
-    P per tile from the saved logsumexp; every GEMM quantizes along its own contraction axis."""
+    P per tile from the saved logsumexp; every GEMM quantizes along its own contraction axis.
+
+    Scratch: the seven rounded operands and the fp32 gradients live through the loop; the fp32
+    copies the roundings read, and each tile's P once dS is formed, are dropped as soon as they
+    are used (the op's peak inside a checkpointed layer's recomputation, issue 46)."""
     batch, heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     ops = _Operands(options.attention_mode, options.scale_mode, options.block_size)
@@ -323,32 +333,41 @@ def attention_backward_impl(
     forward_elem, grad_elem = options.forward_elem, options.grad_elem
     # Q, K and dO are each rounded along two axes: converted to fp32 once (exact), not per use.
     q5 = _fp32_for_rounding(_grouped(q, kv_heads))
-    k4 = _fp32_for_rounding(k.unsqueeze(2))
-    do5 = _fp32_for_rounding(_grouped(grad_out, kv_heads))
     q_d = ops.qk(q5, -1, forward_elem)  # S = Q·Kᵀ: along head_dim
-    k_d = ops.qk(k4, -1, forward_elem)
     q_t = ops.qk(q5, -2, forward_elem)  # dK = dSᵀ·Q: along queries
+    del q5
+    k4 = _fp32_for_rounding(k.unsqueeze(2))
+    k_d = ops.qk(k4, -1, forward_elem)
     k_t = ops.qk(k4, -2, forward_elem)  # dQ = dS·K: along keys
+    del k4
     v_d = ops.pv(v.unsqueeze(2), -1, forward_elem)  # dP = dO·Vᵀ: along dv
+    do5 = _fp32_for_rounding(_grouped(grad_out, kv_heads))
     do_d = ops.pv(do5, -1, grad_elem)
     do_t = ops.pv(do5, -2, grad_elem)  # dV = Pᵀ·dO: along queries
     delta = (do5 * _grouped(out, kv_heads).float()).sum(dim=-1, keepdim=True)
+    del do5
     lse2 = _grouped(lse.unsqueeze(-1), kv_heads) * _LOG2E
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
-    dq = torch.zeros(q_d.shape, device=q.device)
-    dk = torch.zeros(k.shape, device=k.device)
-    dv = torch.zeros(v.shape, device=v.device)
+    # fp32 gradients in the sequence-major order the op returns, so that one chunk's are the
+    # op's outputs as they are (fp32) or after one conversion.
+    dq = _grouped(_zeros_sequence_major(q.shape, q.device), kv_heads)
+    dk = _zeros_sequence_major(k.shape, k.device)
+    dv = _zeros_sequence_major(v.shape, v.device)
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
         k_hi = min(k_lo + key_tile, k_len)
-        s2 = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
-        p = s2.sub_(lse2[..., q_lo:, :]).exp2_()  # normalized probabilities, in S's buffer
+        p = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
+        p.sub_(lse2[..., q_lo:, :]).exp2_()  # normalized probabilities, in S's buffer
         # Pᵀ and dSᵀ along their contraction axis: P and dS along the queries, transposed.
         dv_tile = torch.matmul(ops.pv(p, -2, forward_elem).transpose(-1, -2), do_t[..., q_lo:, :])
         dv[:, :, k_lo:k_hi] = dv_tile.sum(dim=2)
-        dp = torch.matmul(do_d[..., q_lo:, :], v_d[..., k_lo:k_hi, :].transpose(-1, -2))
-        ds = dp.sub_(delta[..., q_lo:, :]).mul_(p)
+        del dv_tile
+        ds = torch.matmul(do_d[..., q_lo:, :], v_d[..., k_lo:k_hi, :].transpose(-1, -2))
+        ds.sub_(delta[..., q_lo:, :]).mul_(p)
+        del p
         dq[..., q_lo:, :] += torch.matmul(ops.qk(ds, -1, grad_elem), k_t[..., k_lo:k_hi, :])
         dk_tile = torch.matmul(ops.qk(ds, -2, grad_elem).transpose(-1, -2), q_t[..., q_lo:, :])
+        del ds
         dk[:, :, k_lo:k_hi] = dk_tile.sum(dim=2)
-    dq = (dq * scale).reshape(q.shape).to(q.dtype)
-    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+        del dk_tile
+    del q_d, q_t, k_d, k_t, v_d, do_d, do_t
+    return dq.mul_(scale).view(q.shape).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)

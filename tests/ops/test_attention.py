@@ -488,10 +488,12 @@ def test_attention_ops_agree_with_the_compiled_rounding_and_without(monkeypatch)
         assert sqnr_db(a, c) >= 100 and sqnr_db(b, c) >= 100  # fp32 outputs: summation order only
 
 
-def test_batch_chunk_changes_no_value():
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_batch_chunk_changes_no_value(kv_heads):
     """The ops' torch implementation run 1, 2 or all 3 batch elements at a time: equal outputs
-    and gradients, bit for bit (MX blocks lie within one batch element and head)."""
-    q, k, v, do = _qkv(5, batch=3, heads=2, kv_heads=2, q_len=96, k_len=96, width=32)
+    and gradients, bit for bit (MX blocks lie within one batch element and head), in the same
+    layouts (one chunk returns the implementation's own sequence-major gradients)."""
+    q, k, v, do = _qkv(5, batch=3, heads=2, kv_heads=kv_heads, q_len=96, k_len=96, width=32)
     options = (True, 0.2, "both", "e4m3", "rceil", 32, 32)
     results = []
     for chunk in (1, 2, 3):
@@ -500,7 +502,7 @@ def test_batch_chunk_changes_no_value():
                                                        *options[4:], chunk)
         results.append((out, lse, *grads))
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(results[0], other))
 
 
 def test_a_batch_chunk_below_one_is_an_error_naming_it():
