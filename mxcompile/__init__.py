@@ -10,13 +10,14 @@ Importing this package registers nothing global beyond the `mxcompile::` torch.l
 
 from ._version import __version__
 from .backend import MXKeptWarning, clear_reports, compile, end_measured_step, report_of, reports, step_coverage_of
-from .config import AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig, Recipe
+from .config import AttentionChunking, AttentionMode, FsdpAllGather, GemmKernel, MemoryBudget, MXConfig, Recipe
 from .explain import explain
 from .api import dequantize_mx, mx_matmul, quantize_mx
 from .numerics import MXTensor
 from .report import Report
 
 __all__ = [
+    "AttentionChunking",
     "AttentionMode",
     "FsdpAllGather",
     "GemmKernel",

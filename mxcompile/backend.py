@@ -36,7 +36,7 @@ from torch._inductor.output_code import OutputCode
 
 from .checkpointed_layers import LayerCompiles, layer_compiles, modules_on_stack
 from .compile_cache import load_report, report_key, store_report, tagged
-from .config import MXConfig
+from .config import AttentionChunking, MXConfig
 from .cost.graph_costs import saved_quantized_operands
 from .coverage import warn_uncompiled
 from .distributed.fsdp import unsharded_parameters
@@ -277,9 +277,11 @@ def compile_and_record(
     the one stored when it was compiled, and its fallback warnings are given again."""
     config = honour_torch_memory_budget(config)
     # HF gradient checkpointing that dynamo could not trace: its layers compiled on their own
-    # (checkpointed_layers.py). The model being compiled is on the stack, as its forward runs.
-    pending = layer_compiles(modules_on_stack(), (config, lower),
-                             functools.partial(compile_and_record, config=config, lower=lower))
+    # (checkpointed_layers.py), their attention with the least scratch (AttentionChunking). The
+    # model being compiled is on the stack, as its forward runs.
+    layer_config = config.replace(attention_chunking=AttentionChunking.LEAST_MEMORY)
+    pending = layer_compiles(modules_on_stack(), (layer_config, lower),
+                             functools.partial(compile_and_record, config=layer_config, lower=lower))
     report = Report(config.to_dict())
     # A memory plan depends on the device profile measured on this machine, which the cache key
     # does not cover: graphs with a memory budget are compiled afresh every time.

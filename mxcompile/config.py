@@ -50,6 +50,18 @@ class GemmKernel(NamedEnum):
     DEQUANTIZED = "dequantized"
 
 
+class AttentionChunking(NamedEnum):
+    """How many batch elements the MX attention ops' CPU implementation runs per call when no
+    memory budget chooses it. `FASTEST`: as many as `ops.attention.batch_chunk_for` allows
+    (its scratch grows with the chunk). `LEAST_MEMORY`: one, the least scratch; HF's
+    gradient-checkpointed layers are compiled with it (checkpointed_layers.py), since
+    checkpointing asks for memory over time: with the whole batch, the attention backward of
+    the layer being recomputed was the step's peak (issue 46)."""
+
+    FASTEST = "fastest"
+    LEAST_MEMORY = "least_memory"
+
+
 class FsdpAllGather(NamedEnum):
     """The dtype FSDP2 weight shards travel in: high precision, or MXFP8 quantized before the all-gather."""
 
@@ -244,6 +256,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "scale_mode": ScaleMode,
     "attention": AttentionMode,
     "gemm_kernel": GemmKernel,
+    "attention_chunking": AttentionChunking,
     "fsdp_all_gather": FsdpAllGather,
     "recipe": Recipe,
 }
@@ -287,6 +300,8 @@ class MXConfig:
     # fraction (a bare int is rejected: see `MemoryBudget.parse`). None: no plan.
     memory_budget: MemoryBudget | None = None
     offload: bool = False
+    # The CPU attention ops' batch chunk without a budget (a budget below 1.0 sets it itself).
+    attention_chunking: AttentionChunking = AttentionChunking.FASTEST
 
     # Distributed.
     fsdp_all_gather: FsdpAllGather = FsdpAllGather.BF16  # MXFP8 quantizes FSDP2 weight shards before all-gather

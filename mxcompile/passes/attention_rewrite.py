@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
-from ..config import AttentionMode, MXConfig
+from ..config import AttentionChunking, AttentionMode, MXConfig
 from ..numerics import ElemFormatName
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_checks import check_attention_inputs
@@ -393,11 +393,13 @@ _OUT, _LSE = object(), object()
 def _batch_chunk(q_node: fx.Node, config: MXConfig) -> int:
     """Batch elements the ops' torch implementation runs at a time: one under a memory budget
     (the least scratch; the plan then widens it where the budget leaves room, see
-    `attention_chunks`), else `attention_chunks.unbudgeted_chunk`. A budget of 1.0 keeps
-    everything, so it keeps the unbudgeted chunk too: its step is the step without a budget."""
+    `attention_chunks`) or with `attention_chunking=LEAST_MEMORY`, else
+    `attention_chunks.unbudgeted_chunk`. A budget of 1.0 keeps everything, so it keeps the
+    unbudgeted chunk too: its step is the step without a budget."""
     query = fake_value(q_node)
     budget = config.memory_budget
-    if (budget is not None and not budget.keeps_everything) or query.ndim != 4:
+    least = config.attention_chunking is AttentionChunking.LEAST_MEMORY
+    if least or (budget is not None and not budget.keeps_everything) or query.ndim != 4:
         return 1
     return unbudgeted_chunk(query)
 
@@ -635,6 +637,8 @@ _PROB_PATH_OPS = frozenset({
     torch.ops.prims.convert_element_type.default,
     aten.where.self,  # _safe_softmax's zeroing of fully masked rows
     aten.mul.Tensor, aten.mul.Scalar, aten.div.Scalar,  # dropout mask and 1 / (1 - p)
+    # dropout left whole (Inductor's fallback_random keeps torch's own random ops) and its output
+    aten.native_dropout.default, operator.getitem,
 })
 _SEARCH_LIMIT = 64  # nodes visited (breadth first) from a softmax in either direction
 

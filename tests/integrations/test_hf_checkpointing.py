@@ -34,6 +34,7 @@ from mxcompile.backend import compile_and_record
 from mxcompile.checkpointed_layers import MXCheckpointingWarning, _innermost, checkpointed_layers
 from mxcompile.report import CONVERTED
 from mxcompile.config import MXConfig
+from mxcompile.ops.attention import ATTENTION, ATTENTION_BACKWARD
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,3 +138,29 @@ def test_checkpointed_llama_in_mx_through_the_real_backend(compile_model):
         distance = (grad - expected[name]).norm() / expected[name].norm()
         assert distance <= INDUCTOR_BOUND, f"{name}: {distance:.3g}"
     _assert_layers_in_mx(model, layers)
+
+
+def test_checkpointed_layers_run_attention_with_the_least_scratch():
+    """The layer runner's graphs are compiled with attention_chunking=LEAST_MEMORY: their MX
+    attention ops run one batch element per call (with the whole batch, the attention backward
+    of the layer being recomputed was the checkpointed step's memory peak); the model's own
+    graphs keep the default."""
+    model = _checkpointed("llama", reentrant=False, attention="sdpa")
+    chunks: dict[str, list[int]] = {}
+    inner = decomposed_eager_lowering()
+
+    def recording_lowering(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target in (ATTENTION, ATTENTION_BACKWARD):
+                names = [argument.name for argument in node.target._schema.arguments]
+                chunk = dict(zip(names, node.args)).get("batch_chunk", node.kwargs.get("batch_chunk"))
+                chunks.setdefault(node.target.name(), []).append(chunk)
+        return inner(gm, example_inputs)
+
+    backend = functools.partial(compile_and_record, config=MXConfig(), lower=recording_lowering)
+    with pytest.warns(MXCheckpointingWarning):
+        _loss_of("llama")(torch.compile(model, backend=backend)).backward()
+    assert set(chunks) == {ATTENTION.name(), ATTENTION_BACKWARD.name()}, chunks
+    assert all(chunk == [1] * len(chunk) for chunk in chunks.values()), chunks  # the unbudgeted chunk is BATCH
+    configs = {r.config["attention_chunking"] for r in mxcompile.report_of(model)}
+    assert configs == {"fastest", "least_memory"}, configs
