@@ -12,10 +12,12 @@ loop by class (per warp and iteration; the whole kernel for quantize, which has 
 
 Chosen config: every autotune config of a kernel is compiled (`--first-config`: only the first,
 the Triton tutorial's shape) and the static choice taken (`kernel_static.static_choice`: fewest
-spilled bytes, then fewest instructions issued per element; for an attention kernel the first
-in that order whose causal compile spills nothing either). The bf16 flash-attention reference
-(`triton_templates/flash_attention.py`) is compiled with the chosen tiles, warps and stages of
-the MX kernel it stands beside; the chosen configs are compiled causal too.
+spilled bytes, then fewest instructions issued per element). An attention kernel's every shape
+(`configs.ATTENTION_SHAPES`) is compiled non-causal and causal at each head_dim, which is what
+each shape's max_head_dim states; the choice is among the shapes listed for the head_dim: the
+fewest spilled bytes causal and not together, then the fewest instructions issued per element.
+The bf16 flash-attention reference (`triton_templates/flash_attention.py`) is compiled with the
+chosen tiles, warps and stages of the MX kernel it stands beside, non-causal and causal.
 
 The figure: instructions issued per KV tile, MX against bf16 (`kernel_static.issued_per_element`,
 per score element: loop instructions x warps / (BLOCK_M x BLOCK_N)); the backward's is the sum
@@ -73,10 +75,12 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _attention_configs(kernel: str) -> list[Any]:
+def _attention_configs(kernel: str, head_dim: int | None = None) -> list[Any]:
+    """The kernel's autotune configs for head_dim (None: every shape, all of which the report
+    compiles)."""
     if kernel == "fwd":
-        return configs.attention_autotune_configs()
-    return configs.attention_backward_autotune_configs(kernel)
+        return configs.attention_autotune_configs(head_dim)
+    return configs.attention_backward_autotune_configs(kernel, head_dim)
 
 
 def _config_label(config: Any) -> str:
@@ -136,41 +140,52 @@ def _scores(tiles: dict[str, int]) -> int:
     return tiles["BLOCK_M"] * tiles["BLOCK_N"]
 
 
+def _config_key(config: Any) -> tuple[Any, ...]:
+    return (*sorted(config.kwargs.items()), config.num_warps, config.num_stages)
+
+
 def _attention_choice(sm: int, label: str, noncausal: tuple[str, Any], causal: tuple[str, Any],
-                      candidates: list[Any]) -> tuple[list[dict[str, Any]], int, KernelStatic]:
-    """Every candidate compiled non-causal (a row each); the choice: in the order of
-    `static_choice` (fewest spilled bytes, then fewest instructions issued per element), the
-    first whose causal compile spills nothing either (else the fewest causal spills). Returns
+                      candidates: list[Any], listed: list[Any]) -> tuple[list[dict[str, Any]], int, KernelStatic]:
+    """Every candidate compiled non-causal and causal (a row each; its record holds both); the
+    choice, among the configs `listed` for this head_dim: the fewest spilled bytes (causal and
+    not together), then the fewest instructions issued per element (non-causal). Returns
     (records, chosen index, the chosen config's causal figures)."""
-    rows = []
+    rows, causal_rows = [], []
     for config in candidates:
-        static = compile_static(noncausal[1], noncausal[0], config.kwargs, sm, config.num_warps, config.num_stages)
-        rows.append((config, static, issued_per_element(static, config.num_warps, _scores(config.kwargs))))
-    order = sorted(range(len(rows)), key=lambda i: (rows[i][1].spill_bytes, rows[i][2]))
-    tried: dict[int, KernelStatic] = {}
-    for i in order:
-        config = rows[i][0]
-        tried[i] = compile_static(causal[1], causal[0], config.kwargs, sm, config.num_warps, config.num_stages)
-        if rows[i][1].spill_bytes == 0 and tried[i].spill_bytes == 0:
-            break
-    chosen = min(tried, key=lambda i: (rows[i][1].spill_bytes + tried[i].spill_bytes, order.index(i)))
+        warps, stages = config.num_warps, config.num_stages
+        static = compile_static(noncausal[1], noncausal[0], config.kwargs, sm, warps, stages)
+        causal_static = compile_static(causal[1], causal[0], config.kwargs, sm, warps, stages)
+        rows.append((config, static, issued_per_element(static, warps, _scores(config.kwargs))))
+        causal_rows.append(causal_static)
+    listed_keys = {_config_key(c) for c in listed}
+    eligible = [i for i, (config, _, _) in enumerate(rows) if _config_key(config) in listed_keys]
+    chosen = min(eligible, key=lambda i: (rows[i][1].spill_bytes + causal_rows[i].spill_bytes, rows[i][2]))
+    records = []
     for i, (config, static, issued) in enumerate(rows):
+        causal_static = causal_rows[i]
         print(_row(sm, label, config, static, issued, "*" if i == chosen else ""), flush=True)
-    return [_record(*row) for row in rows], chosen, tried[chosen]
+        print(_row(sm, f"{label} causal", config, causal_static,
+                   issued_per_element(causal_static, config.num_warps, _scores(config.kwargs)), ""), flush=True)
+        record = _record(config, static, issued)
+        record["causal"] = {"registers": causal_static.registers, "spill_bytes": causal_static.spill_bytes,
+                            "loop_instructions": causal_static.loop_instructions}
+        records.append(record)
+    return records, chosen, causal_rows[chosen]
 
 
 def attention_report(sm: int, head_dim: int, first_only: bool) -> dict[str, Any]:
-    """Every MX attention config swept non-causal and the choice made spill-free causal too
-    (`_attention_choice`); the chosen one compiled beside the bf16 reference, non-causal and
-    causal; the per-KV-tile instruction ratios."""
+    """Every MX attention shape compiled non-causal and causal, the choice made among those
+    listed for head_dim (`_attention_choice`); the chosen one compiled beside the bf16 reference,
+    non-causal and causal; the per-KV-tile instruction ratios."""
     by_causal = {causal: launchers(head_dim, causal) for causal in (False, True)}
     result: dict[str, Any] = {}
     issued: dict[tuple[str, str, bool], float] = {}  # (mx | bf16, kernel, causal)
     for kernel in ATTENTION:
         mx, bf16 = f"mx_attention_{kernel}", f"bf16_attention_{kernel}"
         candidates = _attention_configs(kernel)[: 1 if first_only else None]
+        listed = candidates if first_only else _attention_configs(kernel, head_dim)
         records, chosen, mx_causal = _attention_choice(sm, f"{mx} d{head_dim}", by_causal[False][mx],
-                                                       by_causal[True][mx], candidates)  # fmt: skip
+                                                       by_causal[True][mx], candidates, listed)  # fmt: skip
         result[mx], result[bf16] = {"configs": records, "chosen": chosen}, {}
         issued[("mx", kernel, False)] = records[chosen]["issued_per_element"]
         config = candidates[chosen]
@@ -282,7 +297,8 @@ def main() -> int:
             "gemm_quantize": "4096^2",
         },
         "choice": ("fewest spilled bytes, then fewest instructions issued per element; an attention kernel: "
-                   "the first in that order whose causal compile spills nothing either"),
+                   "among the shapes listed for the head_dim (configs.attention_shapes), fewest spilled bytes "
+                   "causal and not together, then fewest issued per element non-causal"),
         "first_config_only": args.first_config,
         "targets": {},
     }

@@ -70,8 +70,8 @@ def dot_dtype(interpret: bool) -> str:
 
 
 @functools.cache
-def _autotuned(block_size: int) -> Any:
-    configs = [c for c in attention_autotune_configs() if c.kwargs["BLOCK_N"] % block_size == 0]
+def _autotuned(block_size: int, head_dim: int) -> Any:
+    configs = [c for c in attention_autotune_configs(head_dim) if c.kwargs["BLOCK_N"] % block_size == 0]
     kernel = kernel_module("attention", interpret=False).mx_attention_fwd_kernel
     tune_key = ["S_Q", "S_K", *AttentionKey().meta(), "HEAD_DIM", "CAUSAL", "STORE_LSE", "DOT"]
     return autotuned(kernel, configs, tune_key)
@@ -200,7 +200,7 @@ def attention_launch(
     if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
         return result
     if tiles is None and not interpret:
-        kernel = _autotuned(block_size)
+        kernel = _autotuned(block_size, d)
     else:
         kernel = kernel_module("attention", interpret=interpret).mx_attention_fwd_kernel
         meta.update(tiles or interpreter_attention_config())

@@ -167,9 +167,9 @@ def quantize_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @functools.cache
-def _autotuned(name: str, block_size: int) -> Any:
+def _autotuned(name: str, block_size: int, head_dim: int) -> Any:
     configs = [
-        c for c in attention_backward_autotune_configs(name)
+        c for c in attention_backward_autotune_configs(name, head_dim)
         if c.kwargs["BLOCK_M"] % block_size == 0 and c.kwargs["BLOCK_N"] % block_size == 0
     ]  # fmt: skip
     module = kernel_module("attention_backward", interpret=False)
@@ -314,7 +314,7 @@ def attention_backward_launch(
             "HEAD_DIM": d, "SCALE_BLOCK": block_size,
         }  # fmt: skip
         if tiles is None and not interpret:
-            kernel = _autotuned(name, block_size)
+            kernel = _autotuned(name, block_size, d)
         else:
             kernel = getattr(module, f"mx_attention_bwd_{name}_kernel")
             meta.update(tiles or interpreter_attention_backward_config())

@@ -4,8 +4,9 @@ Origins:
   * GEMM: the eight entries under "Good config for fp8 inputs" in the Triton matmul tutorial
     (python/tutorials/03-matrix-multiplication.py, `get_cuda_autotune_config`); each has a
     BLOCK_K that is a multiple of the 32-element MX scale block.
-  * Attention: the shapes of the Triton fused-attention tutorial
-    (python/tutorials/06-fused-attention.py): BLOCK_M 64/128, BLOCK_N 64/128, 3 stages, 4-8 warps.
+  * Attention: after the shapes of the Triton fused-attention tutorial
+    (python/tutorials/06-fused-attention.py): BLOCK_M 64/128, BLOCK_N 64/128, 3 stages, 4-8 warps,
+    plus larger tiles (`ATTENTION_SHAPES`); each kept for the head_dims at which it spills nothing.
   * Quantize: chosen here, not taken from a tutorial: a memory-bound kernel wants tiles of 4-32 K
     elements and 4-8 warps; both tile sides are multiples of the 32-element scale block so that a
     tile holds whole row-wise and column-wise blocks. Untimed so far (no GPU was available).
@@ -16,6 +17,7 @@ Under TRITON_INTERPRET=1 the launchers do not autotune (there is no device to ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import triton
@@ -97,34 +99,73 @@ def mx_mm_autotune_configs(tma: bool = False, path: str = "dot_scaled") -> list[
     ]
 
 
-def attention_autotune_configs() -> list[triton.Config]:
-    """Tile configs of the MX attention forward kernel (Triton fused-attention tutorial)."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in [(64, 64, 3, 4), (128, 64, 3, 8), (128, 128, 3, 8), (64, 128, 3, 4)]
-    ]
+@dataclass(frozen=True)
+class AttentionShape:
+    """One autotune config of an MX attention kernel: tiles, stages, warps, and the largest
+    head_dim (of SPILL_CHECKED_HEAD_DIMS) at which it compiles without register spills for both
+    sm90 and sm100, causal and not (`benchmarks/kernel_static.py`, whose results file
+    tests/triton_templates/test_attention_spills.py checks this against)."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+    num_warps: int
+    max_head_dim: int
+
+    def config(self) -> triton.Config:
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, num_stages=self.num_stages,
+                             num_warps=self.num_warps)
 
 
-def attention_backward_autotune_configs(kernel: str) -> list[triton.Config]:
-    """Tile configs of the MX attention backward kernels ("dkdv": BLOCK_N keys per program,
-    BLOCK_M queries per step; "dq": the reverse). Shapes after the Triton fused-attention
-    tutorial's backward (dK/dV: 32 x 128, dQ: 128 x 32, 4 warps), plus square 64-tiles, plus the
-    narrow shapes with 8 warps. Compiled for sm90 at head_dim 128 with the operands quantized
-    outside the kernels (2026-12-07, `kernel_static.py`), the 8-warp narrow shapes spill nothing
-    (dK/dV 32 x 128: 253 registers; dQ 128 x 32: 185) while the 4-warp tutorial shapes still
-    spill (dK/dV 32 x 128: 840 B, as the bf16 reference's 784 B; dQ 128 x 32: 120 B); the static
-    choice takes the fewest spilled bytes first. Untimed (no GPU was available): on a GPU the
-    autotuner picks among them by time."""
-    shapes = {
-        "dkdv": [(32, 128, 3, 4), (64, 64, 3, 4), (64, 128, 3, 8), (32, 64, 3, 4), (32, 128, 3, 8),
-                 (32, 64, 3, 8)],
-        "dq": [(128, 32, 3, 4), (64, 64, 3, 4), (128, 64, 3, 8), (64, 32, 3, 4), (128, 32, 3, 8),
-               (64, 32, 3, 8)],
-    }[kernel]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in shapes
-    ]
+# The head_dims the static report compiles every attention shape at.
+SPILL_CHECKED_HEAD_DIMS = (64, 128)
+
+# The MX attention kernels' shapes. Forward: the Triton fused-attention tutorial's (BLOCK_M
+# 64/128, BLOCK_N 64/128, 3 stages, 4-8 warps) and 256-row tiles, which halve the K and V tile
+# expansion per score. Backward ("dkdv": BLOCK_N keys per program, BLOCK_M queries per step;
+# "dq": the reverse): after the tutorial's backward (dK/dV 32 x 128, dQ 128 x 32), square
+# 64-tiles, the narrow shapes with 8 warps, and dQ over 256 queries. max_head_dim from the
+# static report of 2026-12-07 (sm90 and sm100, causal and not). Dropped there, as they spill at
+# head_dim 64 already: forward 128 x 128 with 8 warps (8 bytes per thread on sm90, causal) and
+# dK/dV 32 x 128 with 4 warps (96 bytes, sm90). Untimed (no GPU was available): on a GPU the
+# autotuner picks among the shapes that fit the head_dim by time.
+ATTENTION_SHAPES: dict[str, tuple[AttentionShape, ...]] = {
+    "fwd": (
+        AttentionShape(64, 64, 3, 4, 128), AttentionShape(128, 64, 3, 8, 128),
+        AttentionShape(64, 128, 3, 4, 64), AttentionShape(256, 64, 3, 8, 64),
+        AttentionShape(256, 32, 3, 8, 64),
+    ),
+    "dkdv": (
+        AttentionShape(64, 64, 3, 4, 64), AttentionShape(64, 128, 3, 8, 64),
+        AttentionShape(32, 64, 3, 4, 128), AttentionShape(32, 128, 3, 8, 128),
+    ),
+    "dq": (
+        AttentionShape(128, 32, 3, 4, 64), AttentionShape(64, 64, 3, 4, 128),
+        AttentionShape(128, 64, 3, 8, 128), AttentionShape(64, 32, 3, 4, 128),
+        AttentionShape(128, 32, 3, 8, 128), AttentionShape(256, 32, 3, 8, 64),
+    ),
+}  # fmt: skip
+
+
+def attention_shapes(kernel: str, head_dim: int | None = None) -> tuple[AttentionShape, ...]:
+    """The shapes of MX attention kernel `kernel` ("fwd", "dkdv", "dq") for `head_dim` (None:
+    all, what the static report compiles): those whose max_head_dim is at least head_dim. Above
+    the largest checked head_dim, the shapes checked there (not compiled at head_dim itself)."""
+    shapes = ATTENTION_SHAPES[kernel]
+    if head_dim is None:
+        return shapes
+    return tuple(s for s in shapes if s.max_head_dim >= min(head_dim, SPILL_CHECKED_HEAD_DIMS[-1]))
+
+
+def attention_autotune_configs(head_dim: int | None = None) -> list[triton.Config]:
+    """Tile configs of the MX attention forward kernel for `head_dim` (`attention_shapes`)."""
+    return [shape.config() for shape in attention_shapes("fwd", head_dim)]
+
+
+def attention_backward_autotune_configs(kernel: str, head_dim: int | None = None) -> list[triton.Config]:
+    """Tile configs of the MX attention backward kernel `kernel` ("dkdv", "dq") for `head_dim`
+    (`attention_shapes`)."""
+    return [shape.config() for shape in attention_shapes(kernel, head_dim)]
 
 
 def interpreter_quantize_config() -> dict[str, int]:
