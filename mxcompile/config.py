@@ -17,6 +17,10 @@ from .numerics.formats import BITS_PER_BYTE, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP
 from .planner.budget import MemoryBudget
 
 
+# Every reason an FP4 recipe's high_precision_layers rule gives for a layer it keeps begins so
+# (`MXConfig.high_precision_modules`): the report and the backend's warning tell these choices
+# of the recipe from GEMMs kept for any other reason.
+RECIPE_KEEPS_REASON_PREFIX = "high_precision_layers"
 # How many of the closest module names a pattern that matches none is shown with.
 CLOSEST_NAMES_SHOWN = 3
 
@@ -233,7 +237,8 @@ class FP4Settings:
             for name in linear_modules:
                 pattern = next((p for p in setting if re.search(p, name)), None)
                 if pattern is not None:
-                    reasons[name] = f"high_precision_layers pattern {pattern!r} keeps module '{name}' in high precision"
+                    reasons[name] = (f"{RECIPE_KEEPS_REASON_PREFIX} pattern {pattern!r} keeps module '{name}' in "
+                                     "high precision")
             return reasons
         heads = [name for name in linear_modules if re.search(LM_HEAD_PATTERN, name)]
         layers = [name for name in linear_modules if name not in heads]
@@ -241,11 +246,11 @@ class FP4Settings:
         if count == 0:
             return {}
         kept = layers[len(layers) - min(count, len(layers)):]
-        why = (f"high_precision_layers={setting!r}: the last {len(kept)} of {len(layers)} linear layers "
+        why = (f"{RECIPE_KEEPS_REASON_PREFIX}={setting!r}: the last {len(kept)} of {len(layers)} linear layers "
                f"stay in high precision ({self.recipe.value} recipe: the final layers are the most sensitive "
                "to FP4 rounding)")
         reasons = {name: why for name in kept}
-        reasons.update({name: f"high_precision_layers={setting!r}: the lm_head stays in high precision "
+        reasons.update({name: f"{RECIPE_KEEPS_REASON_PREFIX}={setting!r}: the lm_head stays in high precision "
                               f"({self.recipe.value} recipe)" for name in heads})
         return reasons
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .config import OperandFormat
+from .config import RECIPE_KEEPS_REASON_PREFIX, OperandFormat
 from .numerics.formats import E2M1
 from .step_coverage import StepCoverage
 
@@ -167,6 +167,12 @@ class Report:
         return sum(d.flops for d in decisions if d.decision == CONVERTED)
 
     @property
+    def gemm_flops_kept_by_recipe(self) -> int:
+        """GEMM FLOPs an FP4 recipe keeps in high precision by design (its high_precision_layers)."""
+        return sum(d.flops for d in self.decisions
+                   if d.decision != CONVERTED and d.reason.startswith(RECIPE_KEEPS_REASON_PREFIX))
+
+    @property
     def converted_flop_fraction(self) -> float:
         total = self.gemm_flops_total
         return self.gemm_flops_converted / total if total else 0.0
@@ -211,11 +217,14 @@ class Report:
                 counts[d.reason] += 1
         return sorted(((r, flops[r], counts[r]) for r in flops), key=lambda row: -row[1])
 
-    def top_kept_reasons(self, count: int) -> list[str]:
-        """The `count` reasons that kept the most GEMM FLOPs, each with its GEMMs and FLOP share."""
+    def top_kept_reasons(self, count: int, *, beyond_recipe: bool = False) -> list[str]:
+        """The `count` reasons that kept the most GEMM FLOPs, each with its GEMMs and FLOP share;
+        `beyond_recipe`: leaving out the FP4 recipe's own high-precision layers."""
         total = self.gemm_flops_total or 1
+        rows = [row for row in self.kept_flops_by_reason()
+                if not (beyond_recipe and row[0].startswith(RECIPE_KEEPS_REASON_PREFIX))]
         return [f"{reason} ({n} GEMM{'s' if n > 1 else ''}, {flops / total:.1%} of GEMM FLOPs)"
-                for reason, flops, n in self.kept_flops_by_reason()[:count]]
+                for reason, flops, n in rows[:count]]
 
     def converted_by_format(self) -> dict[str, int]:
         """Converted GEMMs per block format family ("nvfp4", "mxfp4", "mxfp8"), most first."""

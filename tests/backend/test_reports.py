@@ -89,6 +89,41 @@ def test_a_graph_keeping_over_5_percent_warns_once_with_its_top_reasons():
     assert "module 'fc2' matches exclude pattern 'fc2'" in message and "3 GEMMs" in message
 
 
+class _SevenLinear(nn.Module):
+    """Six linear layers and an lm_head: nvfp4's default keeps round(0.15 * 6) = 1 layer and the
+    lm_head in high precision (its high_precision_layers), over 5% of the GEMM FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
+        self.lm_head = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.layers(x))
+
+
+@pytest.mark.parametrize("exclude", [(), ("layers.0",)])
+def test_an_fp4_recipes_own_high_precision_layers_do_not_warn(exclude):
+    """What the nvfp4 recipe keeps by design is no reason to warn (it warned on every nvfp4
+    compile); a layer kept for another reason still warns, naming that reason only."""
+    torch.manual_seed(0)
+    model = _SevenLinear()
+    config = MXConfig.for_recipe("nvfp4", {"exclude": exclude})
+    compiled = torch.compile(model, backend=_recording_backend(config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(compiled, torch.randn(32, 64))
+    (report,) = mxcompile.report_of(model)
+    assert report.gemm_flops_kept_by_recipe > 0.05 * report.gemm_flops_total
+    messages = [str(w.message) for w in caught if issubclass(w.category, mxcompile.MXKeptWarning)]
+    if not exclude:
+        assert messages == []
+    else:
+        (message,) = messages
+        assert "exclude pattern 'layers.0'" in message and "besides the" in message
+        assert "high_precision_layers=" not in message.split("top reasons:")[1]
+
+
 def test_a_fully_converted_graph_does_not_warn():
     torch.manual_seed(0)
     compiled = torch.compile(TwoLinear(), backend=_recording_backend())
