@@ -165,8 +165,9 @@ def _emit_fp4_gemm(
     formats: tuple[OperandFormat, OperandFormat], padding: ContractionPadding, config: MXConfig,
 ) -> tuple[fx.Node, NodeBuilder]:
     """`emit_mx_gemm` for FP4 operands: quantize_fp4 (data, scale bytes, tensor scale) per
-    operand, then mx_mm_fp4. Both operands share one block format (the recipe's); the RHT signs
-    (when an operand's format asks for them) and the draws are seeded by `config.seed`."""
+    operand, then mx_mm_fp4 recording `config.gemm_kernel` as `emit_mx_gemm`'s mx_mm does. Both
+    operands share one block format (the recipe's); the RHT signs (when an operand's format asks
+    for them) and the draws are seeded by `config.seed`."""
     if formats[0].block_format != formats[1].block_format:
         raise ValueError(f"an FP4 GEMM takes one block format, got {formats[0].describe()} x {formats[1].describe()}")
     build = NodeBuilder(gm, node)
@@ -178,4 +179,7 @@ def _emit_fp4_gemm(
                        fmt.stochastic, config.seed, config.seed if fmt.rht else None)
         quantized += [build.call(operator.getitem, q, i) for i in range(FP4_QUANTIZE_OUTPUTS)]
     result = build.call(MX_MM_FP4, *quantized, formats[0].block_format.name, fake_value(node).dtype)
+    # The lowering decides from this node alone (`lower_fp4_gemms`): unlike MXFP8's quantize
+    # nodes, the FP4 quantize nodes have no Inductor form to switch to, so they carry no record.
+    result.meta[GEMM_KERNEL_KEY] = config.gemm_kernel
     return result, build

@@ -15,12 +15,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mxcompile import lowering
-from mxcompile.config import GemmKernel
+from mxcompile.config import GemmKernel, MXConfig
 from mxcompile.lowering import decompose_mx_ops, runs_triton_mx_gemm
 from mxcompile.ops import CPU_KERNEL_OPS, CUDA_KERNEL_OPS
 from mxcompile.ops.mx_mm import MX_MM_FP4
 from mxcompile.ops.quantize import DEQUANTIZE_FP4, FAKE_QUANTIZE_FP4, QUANTIZE_FP4
-from mxcompile.passes.meta_keys import GEMM_KERNEL_KEY
+from mxcompile.passes.gemm_rewrite import rewrite_gemms
+from mxcompile.passes.graph_facts import GraphInfo
+from mxcompile.passes.meta_keys import GEMM_KERNEL_KEY, GRAPH_INFO_KEY
 
 FORMATS = ["mxfp4", "nvfp4"]
 SEED = 7
@@ -108,3 +110,24 @@ def test_dequantized_fp4_gemms_in_cuda_graphs_and_cpu_graphs(monkeypatch: pytest
         assert targets.count(FAKE_QUANTIZE_FP4) == 2, device
         assert targets.count(QUANTIZE_FP4) == 1, device
         assert torch.ops.aten.mm.default in targets, device
+
+
+@pytest.mark.parametrize("recipe", FORMATS)
+@pytest.mark.parametrize("kernel, dequantized", [(GemmKernel.DEQUANTIZED, True), (GemmKernel.TRITON, False)])
+def test_gemm_kernel_option_reaches_fp4_gemms_through_gemm_rewrite(monkeypatch: pytest.MonkeyPatch, recipe: str,
+                                                                     kernel: GemmKernel, dequantized: bool) -> None:
+    """The gemm_kernel option, set on the config, decides the CUDA lowering of the FP4 GEMMs
+    gemm_rewrite emits (its mx_mm_fp4 records it, as MXFP8's mx_mm does): "dequantized" lowers
+    the linear layer's GEMM to the fp32 GEMM of block values, "triton" keeps the op (as "auto"
+    does on every GPU, so a GEMM without the record would be kept too)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with FakeTensorMode():
+        x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
+    gm = make_fx(torch.nn.functional.linear, tracing_mode="fake")(x, w)
+    gm.meta[GRAPH_INFO_KEY] = GraphInfo(kind="inference", param_input_indices=(1,))  # w: the layer's weight
+    config = MXConfig.for_recipe(recipe, {"gemm_kernel": kernel.value, "high_precision_layers": 0})
+    rewrite_gemms(gm, config, "inference")
+    targets = [n.target for n in decompose_mx_ops(gm, [x, w], opaque=CUDA_KERNEL_OPS).graph.nodes]
+    assert (MX_MM_FP4 not in targets) is dequantized, targets
+    assert (FAKE_QUANTIZE_FP4 in targets) is dequantized, targets
