@@ -8,15 +8,19 @@ the GPU offers them.
   the FP4 backends cannot run.
 - "FP4 tensor cores": whether the GPU multiplies FP4 in hardware (sm100+: block-scaled
   `tcgen05.mma`, which Triton reaches through `tl.dot_scaled` with `e2m1` operands), and what
-  compiled FP4 GEMMs run here: in this release always the GEMM of the exactly dequantized
-  operands (`lowering.lower_fp4_gemms` lowers every `mx_mm_fp4` so, on every device). Optional.
+  compiled FP4 GEMMs run here, as `lowering.runs_triton_mx_gemm(..., fp4=True)` and
+  `triton_templates.mx_gemm_fp4.resolve_fp4_gemm_path` decide it: on the CPU the fp32 GEMM of
+  the exactly dequantized block values (`lowering.lower_fp4_gemms`); on a CUDA GPU the Triton
+  FP4 GEMM, `mx_mm_fp4`'s CUDA kernel (block-scaled `tcgen05.mma` on sm100+, the E2M1 tiles
+  expanded exactly to bf16 for bf16 tensor-core MMA below, "expand_bf16"), unless
+  gemm_kernel="dequantized" asks for the dequantized GEMM there too. Optional.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..config import Recipe, RECIPES
+from ..config import GemmKernel, Recipe, RECIPES
 from ..numerics import ScaleMode
 from ..numerics.fp4_operand import fp4_gemm
 from .doctor import Check
@@ -29,10 +33,16 @@ CHECK_SEED = 0
 FP4_TENSOR_CORE_CAPABILITY = (10, 0)  # Blackwell: block-scaled FP4 MMA (tcgen05.mma kind::mxf4nvf4)
 FP4_OPS_FIX = ("reinstall mxcompile (`pip install .` in its repository); if it persists, report this line: "
                "backend='nvfp4' and 'mxfp4' need these ops")
-NO_FP4_TENSOR_CORES_FIX = ("none needed for correctness (the dequantized GEMM gives the same products); "
+NO_FP4_TENSOR_CORES_FIX = ("none needed for correctness (the expand_bf16 loop gives the same products); "
                            "FP4 tensor cores need a Blackwell GPU (sm100)")
-DEQUANTIZED_PATH = ("compiled FP4 GEMMs run as GEMMs of the exactly dequantized operands (lowering.lower_fp4_gemms: "
-                    "the Triton FP4 GEMM is not used by compiled graphs yet)")
+DEQUANTIZED_GEMMS = "fp32 GEMMs of the exactly dequantized block values (lowering.lower_fp4_gemms)"
+CPU_PATH = f"compiled FP4 GEMMs run on the CPU as {DEQUANTIZED_GEMMS}"
+# The Triton FP4 GEMM's main loops (triton_templates.mx_gemm_fp4.FP4_GEMM_PATHS), as the doctor names them.
+FP4_GEMM_LOOPS = {
+    "dot_scaled": "tl.dot_scaled with e2m1 operands, block-scaled tcgen05.mma",
+    "expand_bf16": "E2M1 tiles expanded exactly to bf16 for bf16 tensor-core MMA",
+}
+DEQUANTIZED_OPTION = f"gemm_kernel='dequantized' runs them as {DEQUANTIZED_GEMMS} instead"
 
 
 def _fp4_products(recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,16 +81,27 @@ def fp4_ops_check() -> Check:
                  "compiled graphs run agree bit for bit (torch reference ops, fp32 products of the E2M1 block values)")
 
 
+def compiled_fp4_gemm_path(capability: tuple[int, int]) -> str:
+    """What compiled FP4 GEMMs run on a CUDA GPU of compute `capability` under gemm_kernel
+    "auto", as the lowering and the kernel's launcher decide it."""
+    from ..lowering import runs_triton_mx_gemm
+    from ..triton_templates.mx_gemm_fp4 import resolve_fp4_gemm_path
+
+    if not runs_triton_mx_gemm(GemmKernel.AUTO, torch.device("cuda"), fp4=True):
+        return f"compiled FP4 GEMMs run as {DEQUANTIZED_GEMMS}"
+    loop = resolve_fp4_gemm_path("auto", capability)
+    return (f"compiled FP4 GEMMs run the Triton FP4 GEMM ({loop}: {FP4_GEMM_LOOPS[loop]}); "
+            f"{DEQUANTIZED_OPTION}")
+
+
 def fp4_tensor_core_check(name: str | None, capability: tuple[int, int] | None) -> Check:
     """The "FP4 tensor cores" line for the GPU `name` of compute `capability` (None: no CUDA GPU)."""
     if name is None or capability is None:
-        return Check("FP4 tensor cores", False, f"no CUDA GPU: {DEQUANTIZED_PATH}, on the CPU", "see the CUDA line",
-                     required=False)
+        return Check("FP4 tensor cores", False, f"no CUDA GPU: {CPU_PATH}", "see the CUDA line", required=False)
     sm = f"sm{capability[0]}{capability[1]}"
+    path = compiled_fp4_gemm_path(capability)
     if capability >= FP4_TENSOR_CORE_CAPABILITY:
-        return Check("FP4 tensor cores", True,
-                     f"{name}, {sm}: block-scaled FP4 MMA (tcgen05.mma, tl.dot_scaled with e2m1 operands) in hardware; "
-                     f"{DEQUANTIZED_PATH}", required=False)
-    return Check("FP4 tensor cores", False,
-                 f"{name}, {sm}: no FP4 tensor cores below sm100; {DEQUANTIZED_PATH} (bf16/fp32 tensor cores)",
+        return Check("FP4 tensor cores", True, f"{name}, {sm}: block-scaled FP4 MMA in hardware; {path}",
+                     required=False)
+    return Check("FP4 tensor cores", False, f"{name}, {sm}: no FP4 tensor cores below sm100; {path}",
                  NO_FP4_TENSOR_CORES_FIX, required=False)

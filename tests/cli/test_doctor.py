@@ -218,13 +218,18 @@ def test_fp4_ops_that_disagree_fail_doctor(capsys: pytest.CaptureFixture[str], m
 
 
 @pytest.mark.parametrize(
-    ("capability", "passed", "words"),
-    [((10, 0), True, "block-scaled FP4 MMA"), ((12, 0), True, "block-scaled FP4 MMA"),
-     ((9, 0), False, "no FP4 tensor cores below sm100"), ((8, 0), False, "no FP4 tensor cores below sm100")],
+    ("capability", "passed", "words", "loop"),
+    [((10, 0), True, "block-scaled FP4 MMA", "dot_scaled"), ((12, 0), True, "block-scaled FP4 MMA", "dot_scaled"),
+     ((9, 0), False, "no FP4 tensor cores below sm100", "expand_bf16"),
+     ((8, 0), False, "no FP4 tensor cores below sm100", "expand_bf16")],
 )
-def test_fp4_tensor_cores(capability: tuple[int, int], passed: bool, words: str) -> None:
+def test_fp4_tensor_cores(capability: tuple[int, int], passed: bool, words: str, loop: str) -> None:
+    """On every GPU the line names the Triton FP4 GEMM's loop compiled graphs run there (and the
+    gemm_kernel that runs the dequantized GEMM instead); without one, the CPU's dequantized GEMM."""
     check = doctor_fp4.fp4_tensor_core_check("some GPU", capability)
     assert check.passed == passed and not check.required and words in check.detail, check
-    assert doctor_fp4.DEQUANTIZED_PATH in check.detail  # what compiled FP4 GEMMs run, on every GPU
+    assert f"Triton FP4 GEMM ({loop}: {doctor_fp4.FP4_GEMM_LOOPS[loop]})" in check.detail, check
+    assert doctor_fp4.DEQUANTIZED_OPTION in check.detail and doctor_fp4.CPU_PATH not in check.detail
     assert (check.fix == doctor_fp4.NO_FP4_TENSOR_CORES_FIX) != passed
-    assert not doctor_fp4.fp4_tensor_core_check(None, None).passed
+    no_gpu = doctor_fp4.fp4_tensor_core_check(None, None)
+    assert not no_gpu.passed and doctor_fp4.CPU_PATH in no_gpu.detail, no_gpu
