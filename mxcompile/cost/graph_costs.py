@@ -38,15 +38,17 @@ Conventions
       op (:func:`op_by_op_run_time_s`).
     * FP4 (issue 48): a packed E2M1 operand is uint8 with two elements per byte, so its bytes
       are ``numel / 2`` of the operand it holds, plus one scale byte per block (16 elements for
-      NVFP4, 32 for MXFP4) and a 0-d fp32 tensor scale: counted exactly by the rule above. The
-      FP4 ops run as their torch references on every device (compiled graphs use no FP4 kernel yet): an
-      ``mxcompile::quantize_fp4`` takes at least its input elements at the profile's measured
-      ``quantize_fp4`` rate, and holds the scratch of its reference
-      (:func:`quantize_fp4_scratch_bytes`); an ``mxcompile::mx_mm_fp4`` is an fp32 GEMM of
-      both operands' block values (``2 * M * N * K`` FLOPs at the fp32 rate, K the unpacked
-      contraction), after dequantizing both (:func:`fp4_dequantize_time_s`, at the measured
-      ``dequantize_fp4`` rate), and holds the fp32 block values and products
-      (:func:`fp4_gemm_peak_bytes`).
+      NVFP4, 32 for MXFP4) and a 0-d fp32 tensor scale: counted exactly by the rule above. An
+      ``mxcompile::quantize_fp4`` runs as its torch reference on every device: it takes at least
+      its input elements at the profile's measured ``quantize_fp4`` rate, and holds the scratch
+      of its reference (:func:`quantize_fp4_scratch_bytes`). An ``mxcompile::mx_mm_fp4``
+      (``2 * M * N * K`` FLOPs, K the unpacked contraction) is priced as the lowering runs it
+      (:func:`fp4_gemm_runs_packed`). In a CPU graph: an fp32 GEMM of both operands' block
+      values at the fp32 rate, after dequantizing both (:func:`fp4_dequantize_time_s`, at the
+      measured ``dequantize_fp4`` rate), holding the fp32 block values and products
+      (:func:`fp4_gemm_peak_bytes`). In a CUDA graph: the Triton FP4 GEMM on the packed operands
+      (no dequantize, no scratch), the roofline of the packed bytes it reads and of its FLOPs at
+      ``TRITON_FP4_GEMM_DTYPE_KEY``'s datasheet rate. No GPU rate of that kernel is measured.
 """
 
 from __future__ import annotations
@@ -72,10 +74,17 @@ ATTENTION_SCHEMA_NAME = "mxcompile::attention"
 ATTENTION_BACKWARD_SCHEMA_NAME = "mxcompile::attention_backward"
 MX_MM_FP4_SCHEMA_NAME = "mxcompile::mx_mm_fp4"
 QUANTIZE_FP4_SCHEMA_NAME = "mxcompile::quantize_fp4"
-# mxcompile::mx_mm_fp4 multiplies its operands' block values in fp32 on every device
-# (`numerics.fp4_operand.fp4_gemm`): no FP4 tensor-core kernel yet.
+# mxcompile::mx_mm_fp4 in a CPU graph multiplies its operands' block values in fp32
+# (`lowering.lower_fp4_gemms`, `numerics.fp4_operand.fp4_gemm`).
 FP4_GEMM_OPERAND_DTYPE = torch.float32
 FP4_GEMM_DTYPE_KEY = "fp32"
+# In a CUDA graph it runs the Triton FP4 GEMM (`lowering.runs_triton_mx_gemm(..., fp4=True)`),
+# priced at the datasheet bf16 tensor-core rate, the MMA its sm90 loop (expand_bf16) issues: a
+# lower bound of its time there, which leaves out the loop's E2M1 unpacking (untimed on a GPU).
+# On sm100+ it multiplies E2M1 on block-scaled tcgen05, which the HGX B200 datasheet rates at
+# 4x bf16 (FP4 Tensor Core 18 PFLOPS, BF16 4.5, both with sparsity); the profiles carry no FP4
+# rate (cost/profiles.py), so there the bf16 rate over-prices its compute up to 4x.
+TRITON_FP4_GEMM_DTYPE_KEY = "bf16"
 ATTENTION_FORWARD_GEMMS = 2  # S = Q K^T, O = P V
 ATTENTION_BACKWARD_GEMMS = 5  # S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
 
@@ -258,6 +267,8 @@ def workspace_bytes(node: fx.Node) -> int:
     """Scratch bytes ``node`` holds while it runs, beyond its output (see the conventions)."""
     name = _schema_name(node)
     if name == MX_MM_FP4_SCHEMA_NAME:
+        if fp4_gemm_runs_packed(node):  # the Triton kernel allocates only its output
+            return 0
         a, b = _fp4_gemm_operands(node)
         peak = fp4_gemm_peak_bytes(_unpacked_numel(a), _unpacked_numel(b), _numel(node),
                                    _schema_argument(node, "out_dtype"))
@@ -334,6 +345,18 @@ def _is_fp4_mm(node: fx.Node) -> bool:
 def _fp4_gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     """The packed data of an ``mxcompile::mx_mm_fp4`` node: (a, a_scale, a_tensor_scale, b, ...)."""
     return node.args[0], node.args[3]
+
+
+def fp4_gemm_runs_packed(node: fx.Node) -> bool:
+    """Whether an ``mxcompile::mx_mm_fp4`` node runs on its packed operands, as the Triton FP4
+    GEMM: in a CUDA graph, with a 2-D B (`ops.mx_mm.mx_mm_fp4_cuda` runs the torch reference
+    otherwise), as the lowering keeps it under gemm_kernel "auto" on every GPU. The node's
+    gemm_kernel record is not read (it is a pass's node meta, which the cost model does not
+    import): under gemm_kernel "dequantized" a CUDA FP4 GEMM still prices as this kernel."""
+    if not _is_fp4_mm(node) or value_device(node).type != "cuda":
+        return False
+    b = _val(_fp4_gemm_operands(node)[1])
+    return b is not None and b.ndim == 2
 
 
 def _val(arg: Any) -> torch.Tensor | None:
@@ -429,11 +452,12 @@ def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
     """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm`` and the MX
     attention ops on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's
     dequantized operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the
-    nearest rate the profile has, then "fp32". An FP4 GEMM runs at ``FP4_GEMM_DTYPE_KEY``
-    (fp32 block values on every device: compiled graphs use no FP4 kernel yet)."""
+    nearest rate the profile has, then "fp32". An FP4 GEMM runs at ``TRITON_FP4_GEMM_DTYPE_KEY``
+    on its packed operands (:func:`fp4_gemm_runs_packed`), else at ``FP4_GEMM_DTYPE_KEY`` (fp32
+    block values)."""
     name = _schema_name(node)
     if name == MX_MM_FP4_SCHEMA_NAME:
-        return FP4_GEMM_DTYPE_KEY
+        return TRITON_FP4_GEMM_DTYPE_KEY if fp4_gemm_runs_packed(node) else FP4_GEMM_DTYPE_KEY
     mx = _is_mx_mm(node) or name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME)
     if mx and profile.native_fp8_gemm:
         return MX_GEMM_DTYPE
@@ -469,10 +493,10 @@ def node_time_s(node: fx.Node, profile: DeviceProfile) -> float:
 
 def fp4_dequantize_time_s(node: fx.Node, profile: DeviceProfile) -> float:
     """The time an ``mxcompile::mx_mm_fp4`` spends dequantizing its two operands to fp32 block
-    values before its GEMM (under every lowering): their elements at the profile's measured
-    ``dequantize_fp4`` rate, at least the bytes read and written over the memory bandwidth; 0
-    for any other node."""
-    if not _is_fp4_mm(node):
+    values before its GEMM (wherever it does not run on its packed operands,
+    :func:`fp4_gemm_runs_packed`): their elements at the profile's measured ``dequantize_fp4``
+    rate, at least the bytes read and written over the memory bandwidth; 0 for any other node."""
+    if not _is_fp4_mm(node) or fp4_gemm_runs_packed(node):
         return 0.0
     numel = sum(_unpacked_numel(arg) for arg in _fp4_gemm_operands(node))
     read = sum(node_bytes(arg) for arg in node.all_input_nodes)

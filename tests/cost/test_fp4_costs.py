@@ -10,11 +10,13 @@ import math
 import pytest
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from cost_graphs import synthetic_profile
-from mxcompile.cost.graph_costs import (bytes_moved, flops_dtype_key, fp4_dequantize_time_s, node_flops, node_time_s,
-                                        op_by_op_time_s, saved_quantized_operands, value_bytes, workspace_bytes)
+from mxcompile.cost.graph_costs import (bytes_moved, flops_dtype_key, fp4_dequantize_time_s, fp4_gemm_runs_packed,
+                                        node_flops, node_time_s, op_by_op_time_s, saved_quantized_operands,
+                                        value_bytes, workspace_bytes)
 from mxcompile.cost.profiles import DEQUANTIZE_FP4_RATE, QUANTIZE_FP4_RATE
 from mxcompile.ops.mx_mm import MX_MM_FP4
 from mxcompile.ops.quantize import QUANTIZE_FP4
@@ -33,20 +35,25 @@ def _packed_bytes(numel: int, fmt: str) -> int:
     return numel // 2 + numel // BLOCK[fmt] + TENSOR_SCALE_BYTES
 
 
-def _traced(fn, *inputs: torch.Tensor) -> list[fx.Node]:
+def _traced(fn, *inputs: torch.Tensor, mode: FakeTensorMode | None = None) -> list[fx.Node]:
     gm = fx.symbolic_trace(fn)
-    FakeTensorProp(gm).propagate(*inputs)
+    FakeTensorProp(gm, mode).propagate(*inputs)
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def _fp4_gemm_nodes(fmt: str, out_dtype: torch.dtype = torch.float32) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """(quantize of x along K, quantize of w along K, the FP4 GEMM) of x (M, K) @ w (K, N)."""
+def _fp4_gemm_nodes(fmt: str, out_dtype: torch.dtype = torch.float32,
+                    device: str = "cpu") -> tuple[fx.Node, fx.Node, fx.Node]:
+    """(quantize of x along K, quantize of w along K, the FP4 GEMM) of x (M, K) @ w (K, N), on
+    `device` ("cuda": fake tensors, a CUDA graph on a GPU-less machine)."""
     def gemm(x, w):
         a = QUANTIZE_FP4(x, 1, fmt, "rceil", False, False, 0, None)
         b = QUANTIZE_FP4(w, 0, fmt, "rceil", False, False, 0, None)
         return MX_MM_FP4(a[0], a[1], a[2], b[0], b[1], b[2], fmt, out_dtype)
 
-    nodes = _traced(gemm, torch.randn(M, K), torch.randn(K, N))
+    mode = FakeTensorMode()
+    with mode:
+        inputs = (torch.empty(M, K, device=device), torch.empty(K, N, device=device))
+    nodes = _traced(gemm, *inputs, mode=mode)
     quantizes = [n for n in nodes if n.target is QUANTIZE_FP4]
     (mm,) = [n for n in nodes if n.target is MX_MM_FP4]
     return quantizes[0], quantizes[1], mm
@@ -80,6 +87,27 @@ def test_fp4_gemm_priced_as_fp32_gemm_of_dequantized_operands(fmt):
     unmeasured = synthetic_profile(bandwidth=1e9)
     read = _packed_bytes(M * K, fmt) + _packed_bytes(K * N, fmt)
     assert fp4_dequantize_time_s(mm, unmeasured) == pytest.approx((read + (M * K + K * N) * FP32_BYTES) / 1e9)
+
+
+@pytest.mark.parametrize("fmt, out_dtype", [("nvfp4", torch.bfloat16), ("mxfp4", torch.float32)])
+def test_cuda_fp4_gemm_priced_as_the_triton_kernel_on_packed_operands(fmt, out_dtype):
+    """In a CUDA graph the FP4 GEMM runs the Triton FP4 GEMM on its packed operands: the same
+    FLOPs at the bf16 tensor-core rate, the packed bytes in and the output out, no dequantize
+    (even with a measured rate in the profile) and no scratch."""
+    _, _, mm = _fp4_gemm_nodes(fmt, out_dtype, device="cuda")
+    flops = 2 * M * N * K
+    assert fp4_gemm_runs_packed(mm) and node_flops(mm) == flops
+    moved = _packed_bytes(M * K, fmt) + _packed_bytes(K * N, fmt) + M * N * out_dtype.itemsize
+    assert bytes_moved(mm) == moved
+    profile = synthetic_profile(bandwidth=1e15, op_rates={DEQUANTIZE_FP4_RATE: 1e6})
+    assert flops_dtype_key(mm, profile) == "bf16" and fp4_dequantize_time_s(mm, profile) == 0.0
+    assert node_time_s(mm, profile) == pytest.approx(flops / profile.flops("bf16"))
+    memory_bound = synthetic_profile(bandwidth=1e3)
+    assert node_time_s(mm, memory_bound) == pytest.approx(moved / 1e3)
+    assert workspace_bytes(mm) == 0
+    _, _, cpu_mm = _fp4_gemm_nodes(fmt, out_dtype)  # the CPU graph's GEMM is dequantized and fp32
+    assert not fp4_gemm_runs_packed(cpu_mm) and flops_dtype_key(cpu_mm, profile) == "fp32"
+    assert workspace_bytes(cpu_mm) > 0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
