@@ -18,9 +18,13 @@ reference as the fallback); the quantize ops' CPU kernels are in `native` and `c
 constants (`QUANTIZE`, `MX_MM`, `ATTENTION`, ...) are the overloads the graph passes insert;
 passes import them from here. `DECOMPOSITIONS` holds the Inductor forms the lowering decomposes
 the ops into where they are not kept opaque; `CUDA_KERNEL_OPS` the ops the CUDA lowering keeps
-opaque because their CUDA kernel is a Triton one (except the MX GEMMs, and their quantize nodes,
-that `mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS instead); `CPU_KERNEL_OPS` those
-the CPU lowering keeps opaque, their CPU kernels being native code or compiled graphs.
+opaque because their CUDA kernel is a Triton one (except the MXFP8 GEMMs that
+`mxcompile.lowering.runs_triton_mx_gemm` sends to cuBLAS on dequantized operands instead, their
+quantize nodes then Inductor's fp8 casts); `CPU_KERNEL_OPS` those the CPU lowering keeps
+opaque, their CPU kernels being native code or compiled graphs. The FP4 ops have no Inductor form and stay opaque on every device: in
+a CUDA graph `mx_mm_fp4` runs its CUDA kernel, the Triton FP4 GEMM, unless
+`runs_triton_mx_gemm(..., fp4=True)` (gemm_kernel "dequantized"; every CPU graph) has
+`lowering.lower_fp4_gemms` replace it by the fp32 GEMM of its operands' block values.
 """
 
 from __future__ import annotations
