@@ -18,9 +18,12 @@ from .planner.budget import MemoryBudget
 
 
 # Every reason an FP4 recipe's high_precision_layers rule gives for a layer it keeps begins so
-# (`MXConfig.high_precision_modules`): the report and the backend's warning tell these choices
-# of the recipe from GEMMs kept for any other reason.
+# (`MXConfig.high_precision_modules`), and so does the reason of attention GEMMs kept by the
+# recipe's default attention="off" (passes/attention_rewrite.py): the report and the backend's
+# warning tell these choices of the recipe from GEMMs kept for any other reason.
 RECIPE_KEEPS_REASON_PREFIX = "high_precision_layers"
+RECIPE_ATTENTION_REASON_PREFIX = "the recipe's attention='off'"
+RECIPE_KEEPS_REASON_PREFIXES = (RECIPE_KEEPS_REASON_PREFIX, RECIPE_ATTENTION_REASON_PREFIX)
 # How many of the closest module names a pattern that matches none is shown with.
 CLOSEST_NAMES_SHOWN = 3
 

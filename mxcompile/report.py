@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .config import RECIPE_KEEPS_REASON_PREFIX, OperandFormat
+from .config import RECIPE_KEEPS_REASON_PREFIXES, OperandFormat
 from .numerics.formats import E2M1
 from .step_coverage import StepCoverage
 
@@ -168,9 +168,10 @@ class Report:
 
     @property
     def gemm_flops_kept_by_recipe(self) -> int:
-        """GEMM FLOPs an FP4 recipe keeps in high precision by design (its high_precision_layers)."""
+        """GEMM FLOPs an FP4 recipe keeps in high precision by design (its high_precision_layers,
+        and attention under its default attention="off")."""
         return sum(d.flops for d in self.decisions
-                   if d.decision != CONVERTED and d.reason.startswith(RECIPE_KEEPS_REASON_PREFIX))
+                   if d.decision != CONVERTED and d.reason.startswith(RECIPE_KEEPS_REASON_PREFIXES))
 
     @property
     def converted_flop_fraction(self) -> float:
@@ -222,7 +223,7 @@ class Report:
         `beyond_recipe`: leaving out the FP4 recipe's own high-precision layers."""
         total = self.gemm_flops_total or 1
         rows = [row for row in self.kept_flops_by_reason()
-                if not (beyond_recipe and row[0].startswith(RECIPE_KEEPS_REASON_PREFIX))]
+                if not (beyond_recipe and row[0].startswith(RECIPE_KEEPS_REASON_PREFIXES))]
         return [f"{reason} ({n} GEMM{'s' if n > 1 else ''}, {flops / total:.1%} of GEMM FLOPs)"
                 for reason, flops, n in rows[:count]]
 

@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.operator_schemas import normalize_function
 
-from ..config import AttentionChunking, AttentionMode, MXConfig
+from ..config import RECIPE_ATTENTION_REASON_PREFIX, RECIPES, AttentionChunking, AttentionMode, MXConfig, Recipe
 from ..numerics import ElemFormatName
 from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
 from ..ops.attention_checks import check_attention_inputs
@@ -114,9 +114,19 @@ _HIGH_PRECISION_REASON = {
 }
 
 
+def _attention_off_reason(config: MXConfig) -> str:
+    """Why attention="off" keeps the attention GEMMs: an FP4 recipe's own default, or the setting."""
+    if config.recipe is not Recipe.MXFP8 and RECIPES[config.recipe].attention is AttentionMode.OFF:
+        return (f"{RECIPE_ATTENTION_REASON_PREFIX} ({config.recipe.value}'s default) keeps attention GEMMs "
+                "in high precision")
+    return _HIGH_PRECISION_REASON[AttentionMode.OFF]
+
+
 def _mx_role(role: str, config: MXConfig) -> str | None:
     """Why config.attention keeps this role in high precision, or None when it goes to MX."""
-    if config.attention is AttentionMode.OFF or (config.attention is AttentionMode.QK_ONLY and role not in QK_FAMILY):
+    if config.attention is AttentionMode.OFF:
+        return _attention_off_reason(config)
+    if config.attention is AttentionMode.QK_ONLY and role not in QK_FAMILY:
         return _HIGH_PRECISION_REASON[config.attention]
     return None
 
@@ -255,7 +265,7 @@ def _getitem_users(node: fx.Node) -> dict[int, fx.Node]:
 def _fused_ineligibility(gm: fx.GraphModule, site: FusedSite, config: MXConfig) -> str | None:
     """Why this fused attention must stay aten's, or None when it can be replaced."""
     if config.attention is AttentionMode.OFF:
-        return _HIGH_PRECISION_REASON[AttentionMode.OFF]
+        return _attention_off_reason(config)
     fwd = bound_arguments(site.forward)
     q, k, v = (fake_value(fwd[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):

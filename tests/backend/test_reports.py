@@ -90,8 +90,9 @@ def test_a_graph_keeping_over_5_percent_warns_once_with_its_top_reasons():
 
 
 class _SevenLinear(nn.Module):
-    """Six linear layers and an lm_head: nvfp4's default keeps round(0.15 * 6) = 1 layer and the
-    lm_head in high precision (its high_precision_layers), over 5% of the GEMM FLOPs."""
+    """Six linear layers, an attention and an lm_head: nvfp4's defaults keep round(0.15 * 6) = 1
+    layer and the lm_head in high precision (its high_precision_layers), and the attention
+    (attention="off"), over 5% of the GEMM FLOPs."""
 
     def __init__(self):
         super().__init__()
@@ -99,13 +100,16 @@ class _SevenLinear(nn.Module):
         self.lm_head = nn.Linear(64, 64, bias=False)
 
     def forward(self, x):
-        return self.lm_head(self.layers(x))
+        heads = self.layers(x).view(1, -1, 2, 32).transpose(1, 2)  # (batch, heads, tokens, head_dim)
+        attended = nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
+        return self.lm_head(attended.transpose(1, 2).reshape(x.shape))
 
 
 @pytest.mark.parametrize("exclude", [(), ("layers.0",)])
 def test_an_fp4_recipes_own_high_precision_layers_do_not_warn(exclude):
-    """What the nvfp4 recipe keeps by design is no reason to warn (it warned on every nvfp4
-    compile); a layer kept for another reason still warns, naming that reason only."""
+    """What the nvfp4 recipe keeps by design (its high-precision layers, attention under its
+    default attention="off") is no reason to warn (it warned on every nvfp4 compile); a layer
+    kept for another reason still warns, naming that reason only."""
     torch.manual_seed(0)
     model = _SevenLinear()
     config = MXConfig.for_recipe("nvfp4", {"exclude": exclude})
@@ -121,7 +125,8 @@ def test_an_fp4_recipes_own_high_precision_layers_do_not_warn(exclude):
     else:
         (message,) = messages
         assert "exclude pattern 'layers.0'" in message and "besides the" in message
-        assert "high_precision_layers=" not in message.split("top reasons:")[1]
+        reasons = message.split("top reasons:")[1]
+        assert "high_precision_layers=" not in reasons and "attention=" not in reasons
 
 
 def test_a_fully_converted_graph_does_not_warn():
