@@ -49,8 +49,9 @@ class GemmKernel(NamedEnum):
     `gemm_comparison` in benchmarks/results/kernel_static.json, 2026-12-07), and cuBLAS on
     exactly dequantized operands is a bf16 GEMM; on an H200 the Triton MX GEMM step ran 5.37x
     bf16 against 1.27x dequantized (2026-12-04, docs/benchmarks.md). `benchmarks/gpu_session.sh`
-    times both paths against `torch.mm` to revisit this on a GPU. CPU graphs always take the
-    dequantized form."""
+    times both paths against `torch.mm` to revisit this on a GPU. FP4 GEMMs: `AUTO` is `TRITON`
+    (the Triton FP4 GEMM) on every GPU, their dequantized form being an fp32 GEMM of the block
+    values (`lowering.runs_triton_mx_gemm`). CPU graphs always take the dequantized form."""
 
     AUTO = "auto"
     TRITON = "triton"

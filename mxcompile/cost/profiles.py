@@ -36,10 +36,10 @@ ATTENTION_PASS_RATE = "attention_pass"
 # lowering: about 1 ms for a 1024 x 256 fp8 operand on the 2-core host, where the fp32 GEMM of two
 # such operands takes 2-3 ms.
 DEQUANTIZE_RATE = "dequantize"
-# op_rates keys of the FP4 ops (issue 48), which run as their torch references on every device
-# (no native or Triton kernel yet): input elements/s of mxcompile::quantize_fp4 (NVFP4, round to
-# nearest, 1-D blocks), and operand elements/s of mxcompile::dequantize_fp4 to fp32, which every
-# FP4 GEMM runs on both operands (`lowering.lower_fp4_gemms`). On the 2-core AVX512 host
+# op_rates keys of the FP4 ops (issue 48): input elements/s of mxcompile::quantize_fp4 (NVFP4,
+# round to nearest, 1-D blocks; its torch reference on every device), and operand elements/s of
+# mxcompile::dequantize_fp4 to fp32, which every FP4 GEMM of a CPU graph runs on both operands
+# (`lowering.lower_fp4_gemms`; CUDA graphs keep mxcompile::mx_mm_fp4, the Triton FP4 GEMM). On the 2-core AVX512 host
 # (2026-12-07, one thread, CPU time) the quantize took 35-47 ns per element, about 100x the
 # roofline of its bytes and 80x the MX quantize's native kernel; the dequantize 4-8 ns.
 QUANTIZE_FP4_RATE = "quantize_fp4"

@@ -12,7 +12,8 @@ CLAIMED_KEY = "mxcompile_attention"
 # node.meta key on aten._grouped_mm nodes gemm_rewrite made from transformers' fallback grouped-GEMM
 # ops (value: the op's name), so that the decision row names where the GEMM came from.
 GROUPED_ORIGIN_KEY = "mxcompile_grouped_origin"
-# node.meta key on the mxcompile::mx_mm and mxcompile::quantize nodes of an MX GEMM: the config's
-# GemmKernel, read by the CUDA lowering (mxcompile.lowering) to choose between the Triton kernels
-# and Inductor's code (a GEMM of dequantized operands, quantization fused into Inductor's kernels).
+# node.meta key on the mxcompile::mx_mm and mxcompile::quantize nodes of an MX GEMM, and on the
+# mxcompile::mx_mm_fp4 node of an FP4 GEMM: the config's GemmKernel, read by the CUDA lowering
+# (mxcompile.lowering) to choose between the Triton kernels and Inductor's code (a GEMM of
+# dequantized operands, quantization fused into Inductor's kernels).
 GEMM_KERNEL_KEY = "mxcompile_gemm_kernel"
