@@ -10,8 +10,11 @@ told. So the first training step after mxcompile compiled its graphs is measured
   Not the compile step itself: torch.profiler recording the compilation's fake-tensor ops (with
   shapes) made the process crash while garbage-collecting, now and then (torch 2.13). The step ends when a backward pass that ran through a graph of the window is over (an
   autograd hook on each call's compiled backward node counts its run; a backward nested in
-  another, as reentrant checkpointing runs, is not the end). The window closes at the next call
-  of a compiled graph after that, or at `report_of`/`step_coverage_of`. It also closes, with
+  another, as reentrant checkpointing runs, is not the end). The window closes at the first of:
+  an optimizer step after that (a global optimizer-step pre-hook, registered while the window
+  is open), `end_measured_step`/`report_of`/`step_coverage_of`, or the next call of a compiled
+  graph. The first two run in the training loop, outside compiled code; the last does not, and
+  stopping torch.profiler there corrupted the heap now and then (torch 2.13 CPU). It also closes, with
   what it saw, when another step begins without a backward: a graph called again, outside any
   backward, on the same first parameter, or a graph of another model.
 * In the window, torch.profiler (CPU ops, with shapes) records every op, and each call of an
@@ -299,6 +302,7 @@ class StepMonitor:
         self._step_end_ns: int | None = None  # when the last backward pass of the window ended
         self._calls_seen: set[tuple[int, int]] = set()  # (graph, first parameter) called in the window
         self._called: set[int] = set()  # graphs called once already (the compile step is not measured)
+        self._optimizer_hook: Any = None  # closes the window at an optimizer step, while one is open
 
     @property
     def measuring(self) -> bool:
@@ -314,6 +318,11 @@ class StepMonitor:
             return False
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
+        # A training loop's optimizer step follows the backward, outside compiled code: the
+        # window closes there, before the next graph call would close it inside compiled code.
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._optimizer_hook = register_optimizer_step_pre_hook(self._optimizer_step)
         self._backward_seen, self._calls_seen, self._step_end_ns = False, set(), None
         self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
         self._roots = self._roots_of_call()
@@ -329,8 +338,14 @@ class StepMonitor:
             converted += forward_mx * calls + backward_mx * runs
         return total, converted
 
+    def _optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self.finish_ended_step()
+
     def _finish(self) -> None:
         profiler, self._profiler = self._profiler, None
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         if profiler is None:
             return
         profiler.stop()

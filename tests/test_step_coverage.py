@@ -180,3 +180,31 @@ def test_the_loop_closes_the_measurement_outside_compiled_code():
     assert open_after == [(False, False)] * 3, open_after  # step 1 compiles; step 2 measured, closed here
     coverage = mxcompile.step_coverage_of(model)
     assert coverage is not None and coverage.eager_gemms == 6
+
+
+@profiled_step
+def test_an_optimizer_step_closes_the_measurement_outside_compiled_code():
+    """A plain loop (forward, backward, optimizer step) with nothing else: the optimizer step
+    after the measured (second) step's backward closes the measurement, before the next graph
+    call would close it inside compiled code; the share is in the reports."""
+    from mxcompile.backend import _STEP_MONITOR
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block(eager_mlp=True)
+    compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    open_after = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MXEagerWarning)
+        for _ in range(3):
+            compiled(x).square().mean().backward()
+            open_after.append(_STEP_MONITOR.measuring)
+            optimizer.step()
+            optimizer.zero_grad()
+            open_after.append((_STEP_MONITOR.measuring, torch.autograd._profiler_enabled()))
+    # step 1 compiles; step 2 measured: open after its backward, closed by its optimizer step
+    assert open_after == [False, (False, False), True, (False, False), False, (False, False)], open_after
+    coverage = mxcompile.step_coverage_of(model)
+    assert coverage is not None and coverage.eager_gemms == 6
