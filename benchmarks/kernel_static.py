@@ -14,7 +14,7 @@ Chosen config: every autotune config of a kernel is compiled (`--first-config`: 
 the Triton tutorial's shape) and the static choice taken (`kernel_static.static_choice`: fewest
 spilled bytes, then fewest instructions issued per element). An attention kernel's every shape
 (`configs.ATTENTION_SHAPES`) is compiled non-causal and causal at each head_dim, which is what
-each shape's max_head_dim states; the choice is among the shapes listed for the head_dim: the
+each shape's spill_free_head_dims state; the choice is among the shapes listed for the head_dim: the
 fewest spilled bytes causal and not together, then the fewest instructions issued per element.
 The bf16 flash-attention reference (`triton_templates/flash_attention.py`) is compiled with the
 chosen tiles, warps and stages of the MX kernel it stands beside, non-causal and causal.

@@ -101,16 +101,17 @@ def mx_mm_autotune_configs(tma: bool = False, path: str = "dot_scaled") -> list[
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """One autotune config of an MX attention kernel: tiles, stages, warps, and the largest
-    head_dim (of SPILL_CHECKED_HEAD_DIMS) at which it compiles without register spills for both
-    sm90 and sm100, causal and not (`benchmarks/kernel_static.py`, whose results file
-    tests/triton_templates/test_attention_spills.py checks this against)."""
+    """One autotune config of an MX attention kernel: tiles, stages, warps, and the head_dims
+    (of SPILL_CHECKED_HEAD_DIMS) at which it compiles without register spills for both sm90
+    and sm100, causal and not (`benchmarks/kernel_static.py`, whose results file
+    tests/triton_templates/test_attention_spills.py checks this against). Not monotone: dQ
+    128 x 64 with 8 warps spills 8 bytes at head_dim 64 (sm100, causal), none at 128."""
 
     block_m: int
     block_n: int
     num_stages: int
     num_warps: int
-    max_head_dim: int
+    spill_free_head_dims: tuple[int, ...]
 
     def config(self) -> triton.Config:
         return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, num_stages=self.num_stages,
@@ -124,37 +125,41 @@ SPILL_CHECKED_HEAD_DIMS = (64, 128)
 # 64/128, BLOCK_N 64/128, 3 stages, 4-8 warps) and 256-row tiles, which halve the K and V tile
 # expansion per score. Backward ("dkdv": BLOCK_N keys per program, BLOCK_M queries per step;
 # "dq": the reverse): after the tutorial's backward (dK/dV 32 x 128, dQ 128 x 32), square
-# 64-tiles, the narrow shapes with 8 warps, and dQ over 256 queries. max_head_dim from the
-# static report of 2026-12-07 (sm90 and sm100, causal and not). Dropped there, as they spill at
-# head_dim 64 already: forward 128 x 128 with 8 warps (8 bytes per thread on sm90, causal) and
-# dK/dV 32 x 128 with 4 warps (96 bytes, sm90). Untimed (no GPU was available): on a GPU the
-# autotuner picks among the shapes that fit the head_dim by time.
+# 64-tiles, the narrow shapes with 8 warps, and dQ over 256 queries. spill_free_head_dims from
+# the static report of 2026-12-07 (sm90 and sm100, causal and not). Dropped there, as they
+# spill at head_dim 64 and 128: forward 128 x 128 with 8 warps (8 bytes per thread on sm90 at
+# 64, causal) and dK/dV 32 x 128 with 4 warps (96 bytes, sm90). Untimed (no GPU was
+# available): on a GPU the autotuner picks among the shapes listed for the head_dim by time.
+_BOTH = SPILL_CHECKED_HEAD_DIMS
+_D64 = SPILL_CHECKED_HEAD_DIMS[:1]
+_D128 = SPILL_CHECKED_HEAD_DIMS[1:]
 ATTENTION_SHAPES: dict[str, tuple[AttentionShape, ...]] = {
     "fwd": (
-        AttentionShape(64, 64, 3, 4, 128), AttentionShape(128, 64, 3, 8, 128),
-        AttentionShape(64, 128, 3, 4, 64), AttentionShape(256, 64, 3, 8, 64),
-        AttentionShape(256, 32, 3, 8, 64),
+        AttentionShape(64, 64, 3, 4, _BOTH), AttentionShape(128, 64, 3, 8, _BOTH),
+        AttentionShape(64, 128, 3, 4, _D64), AttentionShape(256, 64, 3, 8, _D64),
+        AttentionShape(256, 32, 3, 8, _D64),
     ),
     "dkdv": (
-        AttentionShape(64, 64, 3, 4, 64), AttentionShape(64, 128, 3, 8, 64),
-        AttentionShape(32, 64, 3, 4, 128), AttentionShape(32, 128, 3, 8, 128),
+        AttentionShape(64, 64, 3, 4, _D64), AttentionShape(64, 128, 3, 8, _D64),
+        AttentionShape(32, 64, 3, 4, _BOTH), AttentionShape(32, 128, 3, 8, _BOTH),
     ),
     "dq": (
-        AttentionShape(128, 32, 3, 4, 64), AttentionShape(64, 64, 3, 4, 128),
-        AttentionShape(128, 64, 3, 8, 128), AttentionShape(64, 32, 3, 4, 128),
-        AttentionShape(128, 32, 3, 8, 128), AttentionShape(256, 32, 3, 8, 64),
+        AttentionShape(128, 32, 3, 4, _D64), AttentionShape(64, 64, 3, 4, _BOTH),
+        AttentionShape(128, 64, 3, 8, _D128), AttentionShape(64, 32, 3, 4, _BOTH),
+        AttentionShape(128, 32, 3, 8, _BOTH), AttentionShape(256, 32, 3, 8, _D64),
     ),
 }  # fmt: skip
 
 
 def attention_shapes(kernel: str, head_dim: int | None = None) -> tuple[AttentionShape, ...]:
     """The shapes of MX attention kernel `kernel` ("fwd", "dkdv", "dq") for `head_dim` (None:
-    all, what the static report compiles): those whose max_head_dim is at least head_dim. Above
-    the largest checked head_dim, the shapes checked there (not compiled at head_dim itself)."""
+    all, what the static report compiles): those spill-free at the smallest checked head_dim
+    at least head_dim (above the largest, at the largest: not compiled at head_dim itself)."""
     shapes = ATTENTION_SHAPES[kernel]
     if head_dim is None:
         return shapes
-    return tuple(s for s in shapes if s.max_head_dim >= min(head_dim, SPILL_CHECKED_HEAD_DIMS[-1]))
+    checked = min([h for h in SPILL_CHECKED_HEAD_DIMS if h >= head_dim] or [SPILL_CHECKED_HEAD_DIMS[-1]])
+    return tuple(s for s in shapes if checked in s.spill_free_head_dims)
 
 
 def attention_autotune_configs(head_dim: int | None = None) -> list[triton.Config]:

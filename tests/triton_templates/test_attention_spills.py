@@ -2,9 +2,9 @@
 
 The static report (`benchmarks/kernel_static.py`, results in
 `benchmarks/results/kernel_static.json`) compiles every shape for sm90 and sm100 at head_dim 64
-and 128, causal and not. Each shape states the largest of those head_dims at which it spills
-nothing on either target (`max_head_dim`), and the launchers autotune only over the shapes that
-fit the call's head_dim: the cheap test below checks those statements against the committed
+and 128, causal and not. Each shape states those of the head_dims at which it spills nothing on
+either target (`spill_free_head_dims`), and the launchers autotune only over the shapes listed
+for the call's head_dim: the cheap test below checks those statements against the committed
 results, so a shape added or changed without re-running the report fails it. Compiling every
 shape here would take minutes on 2 cores; the slow test compiles the report's sm90 head_dim-128
 causal choices (head_dim 128 on sm90 is where every backward config spilled while the kernels
@@ -37,18 +37,17 @@ def _spills(record: dict) -> int:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_each_shape_is_listed_for_exactly_the_head_dims_where_it_spills_nothing(kernel: str) -> None:
-    """Every shape's max_head_dim is the largest checked head_dim at which the report shows no
-    spill on sm90 and sm100, causal or not (0: it spills at every one), and it spills nothing at
-    every smaller one: the head_dims it is listed for. ~0.1 s (reads the results file)."""
+    """Every shape's spill_free_head_dims are the checked head_dims at which the report shows no
+    spill on sm90 and sm100, causal or not, and no shape spills at all of them. ~0.1 s (reads
+    the results file)."""
     targets = json.loads(RESULTS.read_text())["targets"]
     for shape in configs.ATTENTION_SHAPES[kernel]:
         key = (shape.block_m, shape.block_n, shape.num_stages, shape.num_warps)
-        spill_free = [
+        spill_free = tuple(
             head_dim for head_dim in configs.SPILL_CHECKED_HEAD_DIMS
             if all(_spills(_records(targets[f"sm{sm}"], head_dim, kernel)[key]) == 0 for sm in (90, 100))
-        ]  # fmt: skip
-        listed = [h for h in configs.SPILL_CHECKED_HEAD_DIMS if h <= shape.max_head_dim]
-        assert spill_free == listed, (kernel, shape)
+        )  # fmt: skip
+        assert spill_free == shape.spill_free_head_dims and spill_free, (kernel, shape)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -307,14 +307,16 @@ def load_mx_tile(
         n_blocks = (S + SCALE_BLOCK - 1) // SCALE_BLOCK
         offs_b = r0 // SCALE_BLOCK + tl.arange(0, ROWS // SCALE_BLOCK)
         scale_ptrs = scale_ptr + head * n_blocks * HEAD_DIM + offs_b[:, None] * HEAD_DIM + offs_d[None, :]
-        scale = tl.load(scale_ptrs, mask=(offs_b < n_blocks)[:, None], other=E8M0_ONE)
+        # Past the last block, scale byte 0 (2**-127, finite): it multiplies rows read as 0, and
+        # a zero fills a masked word at once where another byte was selected byte by byte.
+        scale = tl.load(scale_ptrs, mask=(offs_b < n_blocks)[:, None], other=0)
         blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, HEAD_DIM))
         x = blocks * tl.expand_dims(expansion_scale(scale, DOT), 1)
     else:
         blocks_per_row: tl.constexpr = HEAD_DIM // SCALE_BLOCK
         offs_b = tl.arange(0, blocks_per_row)
         scale_ptrs = scale_ptr + head * S * blocks_per_row + offs_r[:, None] * blocks_per_row + offs_b[None, :]
-        scale = tl.load(scale_ptrs, mask=mask_r[:, None], other=E8M0_ONE)
+        scale = tl.load(scale_ptrs, mask=mask_r[:, None], other=0)  # rows past S: as above
         blocks = tl.reshape(x, (ROWS, blocks_per_row, SCALE_BLOCK))
         x = blocks * tl.expand_dims(expansion_scale(scale, DOT), 2)
     return tl.reshape(x, (ROWS, HEAD_DIM))
