@@ -350,7 +350,8 @@ def attention_backward_impl(
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
     # fp32 gradients in the sequence-major order the op returns, so that one chunk's are the
     # op's outputs as they are (fp32) or after one conversion.
-    dq = _grouped(_zeros_sequence_major(q.shape, q.device), kv_heads)
+    dq_out = _zeros_sequence_major(q.shape, q.device)
+    dq = _grouped(dq_out, kv_heads)  # a view: the tiles accumulate into dq_out
     dk = _zeros_sequence_major(k.shape, k.device)
     dv = _zeros_sequence_major(v.shape, v.device)
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
@@ -370,4 +371,5 @@ def attention_backward_impl(
         dk[:, :, k_lo:k_hi] = dk_tile.sum(dim=2)
         del dk_tile
     del q_d, q_t, k_d, k_t, v_d, do_d, do_t
-    return dq.mul_(scale).view(q.shape).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+    del dq
+    return dq_out.mul_(scale).to(q.dtype), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
