@@ -6,7 +6,8 @@ The Triton interpreter runs a kernel's operations as numpy calls; the reference
 these machines: numpy's and torch's exp2 and log2 differ in the last bit for about a fifth of
 fp32 inputs, their row sums add in different orders, and OpenBLAS's small-matrix kernel (numpy's
 matmul of 32 x k by a transposed k x 32) sums in another order than torch's matmul (every other
-tile shape here agrees). `torch_primitives` makes the interpreter call torch for those four, so
+tile shape here agrees). `torch_primitives` makes the interpreter call torch for those four (a
+dot without the contraction positions that only add exact zeros: `_torch_dot`), so
 that a bit-for-bit comparison checks the kernels' algorithm (operand values, quantization axes,
 the order of every accumulation), not numpy against torch. On a GPU the kernels' exp2 is
 `ex2.approx` and their MMAs sum in the tensor cores' order anyway.
@@ -34,10 +35,26 @@ def _torch_sum(self, input):
     return self.to_tensor(data.sum(dim=self.axis, keepdim=self.keep_dims).numpy(), input.dtype)
 
 
+def _contributing_span(a: torch.Tensor, b: torch.Tensor) -> slice:
+    """The contraction positions from the first to the last whose product term is not zero for
+    every output (a's column or b's row all zero contributes exact zeros)."""
+    live = (a != 0).any(dim=0) & (b != 0).any(dim=1)
+    positions = live.nonzero().flatten()
+    if positions.numel() == 0:
+        return slice(0, 0)
+    return slice(int(positions[0]), int(positions[-1]) + 1)
+
+
 def _torch_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     if a.data.dtype != np.float32 or b.data.dtype != np.float32:
         raise TypeError(f"torch_primitives: fp32 dots only, got {a.data.dtype} x {b.data.dtype}")
-    product = torch.matmul(torch.from_numpy(a.data), torch.from_numpy(b.data)).numpy()
+    lhs, rhs = torch.from_numpy(a.data), torch.from_numpy(b.data)
+    # A kernel tile's contraction runs over masked rows (causal, past the sequence) that the
+    # reference's product leaves out: without them the matmul has the reference's length, so
+    # the CPU's GEMM kernel blocks it the same way (on the AVX512 EPYC, a 256-long contraction
+    # with 96 zero rows summed dK in another order than the reference's 160).
+    span = _contributing_span(lhs, rhs)
+    product = torch.matmul(lhs[:, span], rhs[span, :]).numpy()
     return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
 
