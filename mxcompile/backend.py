@@ -303,11 +303,11 @@ def compile_and_record(
     recorded.measured = not config.measure_first_step  # a graph marked measured opens no window
     logger.info("mxcompile: compiled graph %d: %s", index, report.summary())
     total = report.gemm_flops_total
-    by_recipe = report.gemm_flops_kept_by_recipe  # an FP4 recipe's high-precision layers: by design
+    by_recipe = report.gemm_flops_kept_by_recipe  # an FP4 recipe's high-precision layers and attention
     kept = total - report.gemm_flops_converted - by_recipe
     if total and kept > KEPT_FLOP_WARNING_FRACTION * total:
-        recipe_note = (f", besides the {by_recipe / total:.1%} its recipe keeps by design (high_precision_layers)"
-                       if by_recipe else "")
+        recipe_note = (f", besides the {by_recipe / total:.1%} its recipe keeps by design (high_precision_layers, "
+                       "its default attention='off')" if by_recipe else "")
         warnings.warn(
             f"mxcompile kept {kept / total:.1%} of graph {index}'s GEMM FLOPs in high precision{recipe_note} "
             f"({report.summary()}); top reasons: {'; '.join(report.top_kept_reasons(KEPT_REASONS_SHOWN, beyond_recipe=True))}. "

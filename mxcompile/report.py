@@ -220,7 +220,7 @@ class Report:
 
     def top_kept_reasons(self, count: int, *, beyond_recipe: bool = False) -> list[str]:
         """The `count` reasons that kept the most GEMM FLOPs, each with its GEMMs and FLOP share;
-        `beyond_recipe`: leaving out the FP4 recipe's own high-precision layers."""
+        `beyond_recipe`: leaving out what an FP4 recipe keeps by design (`gemm_flops_kept_by_recipe`)."""
         total = self.gemm_flops_total or 1
         rows = [row for row in self.kept_flops_by_reason()
                 if not (beyond_recipe and row[0].startswith(RECIPE_KEEPS_REASON_PREFIXES))]

@@ -49,7 +49,8 @@ import torch
 from ..numerics import elem_format, quantize_along, scales_shape
 from ..numerics import scale_mode_named
 from .attention_checks import triton_attention_unsupported
-from .attention_reference import AttentionOptions, attention_backward_impl, attention_forward_impl
+from .attention_reference import (AttentionOptions, attention_backward_impl, attention_forward_impl,
+                                  empty_sequence_major)
 from .quantize import quantize_with_triton, triton_quantize_unsupported
 
 _log = logging.getLogger(__name__)
@@ -58,11 +59,6 @@ _log = logging.getLogger(__name__)
 def sequence_major(x: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, ...) with (B, T, H, ...) memory order."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def _empty_sequence_major(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    batch, heads, seq, *rest = shape
-    return like.new_empty((batch, seq, heads, *rest), dtype=dtype).transpose(1, 2)
 
 
 def _empty_output(q: torch.Tensor, width: int) -> torch.Tensor:
@@ -131,7 +127,7 @@ def _attention_forward_torch(q, k, v, attn_mask, options: AttentionOptions):
     within one (batch element, head), so the values are those of one batched call."""
     batch, heads, q_len, _ = q.shape
     out = _empty_output(q, v.shape[-1])
-    lse = _empty_sequence_major(q, (batch, heads, q_len), torch.float32)
+    lse = empty_sequence_major(q, (batch, heads, q_len), torch.float32)
     for part in _batch_chunks(batch, options.batch_chunk):
         out_b, lse_b = attention_forward_impl(q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
                                               options)
@@ -147,7 +143,7 @@ def _attention_fake(q, k, v, attn_mask, is_causal, scale, attention_mode, forwar
     batch, heads, q_len, _ = q.shape
     return (
         _empty_output(q, v.shape[-1]),
-        _empty_sequence_major(q, (batch, heads, q_len), torch.float32),
+        empty_sequence_major(q, (batch, heads, q_len), torch.float32),
     )
 
 
@@ -183,7 +179,7 @@ def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: A
     chunks = _batch_chunks(batch, options.batch_chunk)
     if len(chunks) == 1:  # the implementation's gradients are sequence-major: no second buffer
         return attention_backward_impl(grad_out, q, k, v, attn_mask, out, lse, options)
-    grads = tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
+    grads = tuple(empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
     for part in chunks:
         parts = attention_backward_impl(grad_out[part], q[part], k[part], v[part], _batch_mask(attn_mask, batch, part),
                                         out[part], lse[part], options)
@@ -196,7 +192,7 @@ def _attention_backward_torch(grad_out, q, k, v, attn_mask, out, lse, options: A
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, attn_mask, out, lse, is_causal, scale, attention_mode,
                              forward_elem, grad_elem, scale_mode, block_size, key_tile, batch_chunk=1):
-    return tuple(_empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
+    return tuple(empty_sequence_major(t, tuple(t.shape), t.dtype) for t in (q, k, v))
 
 
 HEAD_DIM_AXIS, SEQUENCE_AXIS = 3, 2  # of a (batch, heads, sequence, head_dim) operand

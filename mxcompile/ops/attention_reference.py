@@ -261,10 +261,11 @@ def _tile_starts(q_len: int, k_len: int, key_tile: int, is_causal: bool):
         yield k_lo, q_lo
 
 
-def _zeros_sequence_major(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """fp32 zeros of `shape` (B, H, T, e) laid out (B, T, H, e), as the ops' gradients are."""
-    batch, heads, seq, width = shape
-    return torch.zeros((batch, seq, heads, width), device=device).transpose(1, 2)
+def empty_sequence_major(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of `shape` (B, H, T, ...) laid out (B, T, H, ...) on `like`'s device: the
+    layout of the ops' logsumexp and gradients."""
+    batch, heads, seq, *rest = shape
+    return like.new_empty((batch, seq, heads, *rest), dtype=dtype).transpose(1, 2)
 
 
 def attention_forward_impl(
@@ -350,10 +351,8 @@ def attention_backward_impl(
     mask5 = _grouped_mask(attn_mask, batch, heads, kv_heads, q_len, k_len)
     # fp32 gradients in the sequence-major order the op returns, so that one chunk's are the
     # op's outputs as they are (fp32) or after one conversion.
-    dq_out = _zeros_sequence_major(q.shape, q.device)
+    dq_out, dk, dv = (empty_sequence_major(t, tuple(t.shape), torch.float32).zero_() for t in (q, k, v))
     dq = _grouped(dq_out, kv_heads)  # a view: the tiles accumulate into dq_out
-    dk = _zeros_sequence_major(k.shape, k.device)
-    dv = _zeros_sequence_major(v.shape, v.device)
     for k_lo, q_lo in _tile_starts(q_len, k_len, key_tile, is_causal):
         k_hi = min(k_lo + key_tile, k_len)
         p = _tile_scores(q_d[..., q_lo:, :], k_d[..., k_lo:k_hi, :], mask5, is_causal, scale, q_lo, k_lo)
