@@ -8,15 +8,22 @@ told. So the first training step after mxcompile compiled its graphs is measured
 * The window opens at the second call, with gradients enabled and outside any backward pass, of
   a compiled graph not measured yet: the first training step after the one that compiled it.
   Not the compile step itself: torch.profiler recording the compilation's fake-tensor ops (with
-  shapes) made the process crash while garbage-collecting, now and then (torch 2.13). The step ends when a backward pass that ran through a graph of the window is over (an
+  shapes) made the process crash while garbage-collecting, now and then (torch 2.13).
+* The step ends when a backward pass that ran through a graph of the window is over (an
   autograd hook on each call's compiled backward node counts its run; a backward nested in
-  another, as reentrant checkpointing runs, is not the end). The window closes at the first of:
-  an optimizer step after that (a global optimizer-step pre-hook, registered while the window
-  is open), `end_measured_step`/`report_of`/`step_coverage_of`, or the next call of a compiled
-  graph. The first two run in the training loop, outside compiled code; the last does not, and
-  stopping torch.profiler there corrupted the heap now and then (torch 2.13 CPU). It also closes, with
-  what it saw, when another step begins without a backward: a graph called again, outside any
-  backward, on the same first parameter, or a graph of another model.
+  another, as reentrant checkpointing runs, is not the end). The window closes at the first
+  point after that which the training loop passes: where `torch.autograd.backward` (which
+  `Tensor.backward` calls) returns, an optimizer step (a global optimizer-step pre-hook), or
+  `end_measured_step`/`report_of`/`step_coverage_of`; the first two are hooked only while the
+  window is open (`AfterBackward`). It also closes, with what it saw, when another step begins
+  without a backward: a graph called again, outside any backward, on the same first parameter,
+  or a graph of another model.
+* Where the profiler stops: only outside compiled code (`inside_compiled_code`: no frame dynamo
+  rewrote on the stack). Stopping torch.profiler inside a compiled frame, under the "Torch-Compiled
+  Region" event it saw begin, corrupted the heap now and then (torch 2.13 CPU: processes died at
+  exit). A window closed inside compiled code (a forward-only step, a backward called inside a
+  compiled function) switches the profiler's collection off there (torch prints one warning
+  line for it) and stops it at the next of the close points above that runs outside.
 * In the window, torch.profiler (CPU ops, with shapes) records every op, and each call of an
   mxcompile graph is marked (`GRAPH_CALL_MARKER`). A GEMM (`aten::mm`, `addmm`, `bmm`,
   `baddbmm`, `_grouped_mm`) or attention op (SDPA's forward and its fused backwards) ran
@@ -34,14 +41,16 @@ GEMM FLOPs of the step, eager ones included. Under `WARN_BELOW_FRACTION` it warn
 to do. Graphs compiled by other backends are not counted on either side.
 
 Cost: the profiler runs during one step, the second (`StepCoverage.measure_seconds` is the time
-spent reading the profile at its end). After the
-window closes, a graph call pays one attribute check. No window opens while another profiler runs
+spent reading the profile at its end). After the window closes, a graph call pays one attribute
+check and nothing else stays hooked. No window opens while another profiler runs
 (`torch.profiler` sessions cannot nest); that graph is then not measured.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -280,20 +289,68 @@ def _compiled_backward_node(outputs: Any) -> Any:
     return None
 
 
+def inside_compiled_code() -> bool:
+    """Whether code that dynamo rewrote is on this thread's Python stack: a compiled frame, or
+    the eager code it runs between its graphs (dynamo's rewritten code objects, resume functions
+    included, are the keys of `orig_code_map`)."""
+    from torch._dynamo.utils import orig_code_map
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in orig_code_map:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class AfterBackward:
+    """Calls `callback` after every return of `torch.autograd.backward` (which `Tensor.backward`
+    calls) while installed: where a training loop's backward returns, in the loop, outside
+    compiled code, with or without an optimizer step after it (gradient accumulation)."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                callback()
+
+        self._original, self._wrapper = original, backward
+
+    def install(self) -> None:
+        if torch.autograd.backward is self._original:
+            torch.autograd.backward = self._wrapper
+
+    def remove(self) -> None:
+        if torch.autograd.backward is self._wrapper:  # not if someone wrapped it after us
+            torch.autograd.backward = self._original
+
+
 class StepMonitor:
     """Measures the first training step after the graphs the backend compiled (module docstring).
 
     The backend runs each call of a compiled graph through `run(graph, call)`; `graph` is any
     object with a `measured` flag and a `report` (its `RecordedGraph`). `on_measured(coverage,
-    graphs)` is called when a window closes, with the graphs called in it. A graph's forward GEMM
-    FLOPs count once per call, its backward GEMM FLOPs once per run of its backward (an autograd
-    hook counts them: a forward recomputed under non-reentrant checkpointing runs no backward)."""
+    graphs)` is called when a window's profile is read, with the graphs called in it. A graph's
+    forward GEMM FLOPs count once per call, its backward GEMM FLOPs once per run of its backward
+    (an autograd hook counts them: a forward recomputed under non-reentrant checkpointing runs no
+    backward).
+
+    A window closes (its counts end) where its step ends; the profiler stops there only outside
+    compiled code. Closed inside it (a graph call that begins another step), the window switches
+    the profiler's collection off and its stop waits for the next close point outside compiled
+    code: stopping torch.profiler under a RecordFunction it saw begin (dynamo's "Torch-Compiled
+    Region" of the running frame) corrupted the heap (torch 2.13 CPU)."""
 
     def __init__(self, on_measured: Callable[[StepCoverage, list[Any]], None],
                  roots_of_call: Callable[[], list[nn.Module]]) -> None:
         self._on_measured = on_measured
         self._roots_of_call = roots_of_call
-        self._profiler: Any = None
+        self._profiler: Any = None  # from the window's start until its profile is read
+        self._collecting = False  # the window is open: its graph calls and backward runs count
         self._graphs: dict[int, Any] = {}
         self._forward_calls: dict[int, int] = {}
         self._backward_runs: dict[int, int] = {}
@@ -303,10 +360,17 @@ class StepMonitor:
         self._calls_seen: set[tuple[int, int]] = set()  # (graph, first parameter) called in the window
         self._called: set[int] = set()  # graphs called once already (the compile step is not measured)
         self._optimizer_hook: Any = None  # closes the window at an optimizer step, while one is open
+        self._after_backward = AfterBackward(self.finish_ended_step)  # ... and where a backward returns
 
     @property
     def measuring(self) -> bool:
-        return self._profiler is not None
+        """A window is open (its step has not ended)."""
+        return self._collecting
+
+    @property
+    def stop_pending(self) -> bool:
+        """A window closed inside compiled code: its profiler, collecting nothing, waits to stop."""
+        return self._profiler is not None and not self._collecting
 
     def _start(self, graph: Any) -> bool:
         from torch.profiler import ProfilerActivity, profile
@@ -318,11 +382,13 @@ class StepMonitor:
             return False
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
-        # A training loop's optimizer step follows the backward, outside compiled code: the
-        # window closes there, before the next graph call would close it inside compiled code.
+        self._collecting = True
+        # The close points in the training loop, outside compiled code: the return of the
+        # backward and an optimizer step, before the next graph call would close it inside.
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._optimizer_hook = register_optimizer_step_pre_hook(self._optimizer_step)
+        self._after_backward.install()
         self._backward_seen, self._calls_seen, self._step_end_ns = False, set(), None
         self._graphs, self._forward_calls, self._backward_runs = {}, {}, {}
         self._roots = self._roots_of_call()
@@ -341,13 +407,23 @@ class StepMonitor:
     def _optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self.finish_ended_step()
 
-    def _finish(self) -> None:
-        profiler, self._profiler = self._profiler, None
+    def _close(self) -> None:
+        """End the window: its counts stop here; its profile is read now outside compiled code,
+        else at the next close point outside it (class docstring)."""
+        from torch.profiler import ProfilerActivity
+
+        self._collecting = False
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
-        if profiler is None:
-            return
+        self._after_backward.remove()
+        if inside_compiled_code():
+            self._profiler.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
+        else:
+            self._read_profile()
+
+    def _read_profile(self) -> None:
+        profiler, self._profiler = self._profiler, None
         profiler.stop()
         began = time.perf_counter()
         tree = profiler.profiler.kineto_results.experimental_event_tree()
@@ -373,12 +449,15 @@ class StepMonitor:
         return self._backward_seen and torch._C._current_graph_task_id() == NO_GRAPH_TASK
 
     def finish_ended_step(self) -> None:
-        """Close the window if its step has ended. The close waits for this, or for the next
-        call of a compiled graph: the profiler cannot be stopped inside the autograd engine (it
-        restores the caller's thread-local state afterwards, and with it a profiler that looks
-        enabled)."""
+        """Close the window if its step has ended, and read a closed window's profile, here
+        outside compiled code (inside it, only the close). Called where the loop's backward
+        returns, at an optimizer step, by `end_measured_step`/`report_of`, and at a graph call.
+        Not from the autograd engine: the profiler cannot be stopped there (the engine restores
+        the caller's thread-local state afterwards, and with it a profiler that looks enabled)."""
         if self.measuring and self._step_ended:
-            self._finish()
+            self._close()
+        elif self.stop_pending and not inside_compiled_code():
+            self._read_profile()
 
     def _mark_step_end(self) -> None:
         # A clock reading, not a profiler event: recording an event from the engine's callback,
@@ -407,7 +486,7 @@ class StepMonitor:
         """`call()` (one call of `graph`, whose first parameter is `first_input`), measured when
         a window is or should be open."""
         if self.measuring and (self._step_ended or self._new_step(graph, first_input)):
-            self._finish()  # the step's backward ended, or another step began without one
+            self._close()  # the step's backward ended, or another step began without one
         if not self.measuring:
             if graph.measured:
                 return call()

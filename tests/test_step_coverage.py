@@ -178,27 +178,104 @@ def test_the_loop_closes_the_measurement_outside_compiled_code():
 
 
 def test_an_optimizer_step_closes_the_measurement_outside_compiled_code():
-    """A plain loop (forward, backward, optimizer step) with nothing else: the optimizer step
-    after the measured (second) step's backward closes the measurement, before the next graph
-    call would close it inside compiled code; the share is in the reports."""
+    """A loop whose gradients come from `torch.autograd.grad` (no `backward()` to return): the
+    optimizer step after the measured (second) step closes the measurement, before the next
+    graph call would close it inside compiled code; the share is in the reports."""
     from mxcompile.backend import _STEP_MONITOR
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Block(eager_mlp=True)
     compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
+    parameters = list(model.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=0.0)  # lr 0: every step sees the same weights
     x = torch.randn(TOKENS, WIDTH, requires_grad=True)
     open_after = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MXEagerWarning)
         for _ in range(3):
-            compiled(x).square().mean().backward()
+            grads = torch.autograd.grad(compiled(x).square().mean(), [x, *parameters])
+            for parameter, grad in zip(parameters, grads[1:]):
+                parameter.grad = grad
             open_after.append(_STEP_MONITOR.measuring)
             optimizer.step()
-            optimizer.zero_grad()
             open_after.append((_STEP_MONITOR.measuring, torch.autograd._profiler_enabled()))
     # step 1 compiles; step 2 measured: open after its backward, closed by its optimizer step
     assert open_after == [False, (False, False), True, (False, False), False, (False, False)], open_after
     coverage = mxcompile.step_coverage_of(model)
     assert coverage is not None and coverage.eager_gemms == 6
+
+
+def test_the_backward_return_closes_the_measurement_outside_compiled_code():
+    """Gradient accumulation (two backwards per optimizer step) and no call to mxcompile: the
+    measured (second) step's window closes where its `backward()` returns, in the loop, before the
+    next graph call would close it inside compiled code; the backward hook is gone afterwards."""
+    from mxcompile.backend import _STEP_MONITOR
+
+    original_backward = torch.autograd.backward
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Block(eager_mlp=True)
+    compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    open_after = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MXEagerWarning)
+        for _ in range(2):
+            for _ in range(2):
+                compiled(x).square().mean().backward()
+                open_after.append((_STEP_MONITOR.measuring, torch.autograd._profiler_enabled()))
+            optimizer.step()
+    assert open_after == [(False, False)] * 4, open_after  # step 1 compiles; step 2 measured, closed at its return
+    assert torch.autograd.backward is original_backward
+    coverage = mxcompile.step_coverage_of(model)
+    projections, mlp = 2 * 3 * 2 * TOKENS * WIDTH * WIDTH, 2 * 3 * 2 * TOKENS * WIDTH * HIDDEN
+    assert coverage is not None and (coverage.mx_flops, coverage.eager_flops, coverage.graph_calls) == (projections, mlp, 2)
+
+
+def test_a_window_closed_inside_compiled_code_stops_the_profiler_outside():
+    """Forward calls with gradients on and no backward: the third call begins another step inside
+    compiled code, where the window closes with the profiler's collection switched off, not
+    stopped; the stop (and the share, of the one measured call) comes at the next close point
+    outside compiled code, here `end_measured_step`."""
+    from mxcompile.backend import _STEP_MONITOR
+    from mxcompile.step_coverage import inside_compiled_code
+
+    torch._dynamo.reset()
+    model = _Block(eager_mlp=False)
+    compiled = torch.compile(model, backend="mxfp8", options={"measure_first_step": True})
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    states = []
+    for _ in range(3):
+        compiled(x)
+        states.append((_STEP_MONITOR.measuring, _STEP_MONITOR.stop_pending))
+    assert states == [(False, False), (True, False), (False, True)], states
+    assert torch.autograd._profiler_enabled() and not inside_compiled_code()
+    mxcompile.end_measured_step()
+    assert not _STEP_MONITOR.stop_pending and not torch.autograd._profiler_enabled()
+    coverage = mxcompile.step_coverage_of(model)
+    forward = 2 * TOKENS * WIDTH * (2 * WIDTH + 2 * HIDDEN)  # the forward GEMMs of one call
+    assert coverage is not None and (coverage.graph_calls, coverage.mx_flops, coverage.eager_flops) == (1, forward, 0)
+
+
+def test_inside_compiled_code_sees_the_compiled_frames_and_their_resume_functions():
+    from mxcompile.step_coverage import inside_compiled_code
+
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        def call(*args):
+            seen.append(inside_compiled_code())
+            return gm(*args)
+        return call
+
+    @torch.compile(backend=recording_backend)
+    def two_graphs(x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    torch._dynamo.reset()
+    two_graphs(torch.randn(3))
+    assert seen == [True, True] and not inside_compiled_code()
