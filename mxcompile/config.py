@@ -10,7 +10,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Collection, Iterable, Mapping, Sequence, Union
 
 from .numerics import DEFAULT_BLOCK_SIZE, ElemFormatName, ScaleMode, check_block_size
 from .numerics.formats import BITS_PER_BYTE, MXFP4, MXFP8_E4M3, MXFP8_E5M2, NVFP4, BlockFormat, NamedEnum
@@ -112,8 +112,9 @@ class GemmRole(NamedEnum):
 
 # The switches of the FP4 recipes (MXConfig fields, None: the recipe's default).
 FP4_SWITCHES = ("rht", "stochastic_rounding", "weight_2d", "high_precision_layers")
-# Module names that are a model's output projection (HF: `lm_head`): the NVFP4 recipe keeps it
-# in high precision with the last layers.
+# Module names that are a model's output projection (HF, torchtitan: `lm_head`): the NVFP4 recipe
+# keeps it in high precision with the last layers; an output projection named otherwise
+# (torchtitan before 0.3: `output`) is found by structure (model_layers.output_projection).
 LM_HEAD_PATTERN = r"(^|\.)lm_head$"
 # NVIDIA's NVFP4 recipe keeps about this share of the linear layers (the last ones) in BF16.
 NVFP4_HIGH_PRECISION_FRACTION = 0.15
@@ -230,11 +231,13 @@ class FP4Settings:
             rht=self.rht and role is GemmRole.WEIGHT_GRAD,
         )
 
-    def high_precision_modules(self, linear_modules: Sequence[str]) -> dict[str, str]:
-        """Which of a graph's linear layers (module names in forward order) stay in high
+    def high_precision_modules(self, linear_modules: Sequence[str], heads: Collection[str] = ()) -> dict[str, str]:
+        """Which of a model's linear layers (module names in forward order) stay in high
         precision, each with its reason. A count or fraction keeps the last layers (a fraction
-        f of n layers: round(f * n), halves up) and, when it is not 0, the lm_head
-        (`LM_HEAD_PATTERN`) besides; patterns keep the modules they match."""
+        f of n layers: round(f * n), halves up) and, when it is not 0, the output projection
+        besides: the modules named like an lm_head (`LM_HEAD_PATTERN`) and `heads` (found by
+        their structure, `model_layers.output_projection`); patterns keep the modules they match.
+        `model_layers.recipe_high_precision` gives it the whole model's layers."""
         setting = self.high_precision_layers
         if isinstance(setting, tuple):
             reasons = {}
@@ -244,8 +247,8 @@ class FP4Settings:
                     reasons[name] = (f"{RECIPE_KEEPS_REASON_PREFIX} pattern {pattern!r} keeps module '{name}' in "
                                      "high precision")
             return reasons
-        heads = [name for name in linear_modules if re.search(LM_HEAD_PATTERN, name)]
-        layers = [name for name in linear_modules if name not in heads]
+        outputs = [name for name in linear_modules if name in heads or re.search(LM_HEAD_PATTERN, name)]
+        layers = [name for name in linear_modules if name not in outputs]
         count = setting if isinstance(setting, int) else math.floor(setting * len(layers) + 0.5)
         if count == 0:
             return {}
@@ -255,7 +258,7 @@ class FP4Settings:
                "to FP4 rounding)")
         reasons = {name: why for name in kept}
         reasons.update({name: f"{RECIPE_KEEPS_REASON_PREFIX}={setting!r}: the lm_head stays in high precision "
-                              f"({self.recipe.value} recipe)" for name in heads})
+                              f"({self.recipe.value} recipe: the model's output projection)" for name in outputs})
         return reasons
 
 

@@ -165,14 +165,27 @@ def parameter_modules(model: nn.Module) -> dict[nn.Parameter, str]:
     return names
 
 
+def _is_output_projection(model: nn.Module, name: str) -> bool:
+    """The model's output projection, whatever its name: a weight tied to an embedding, or an
+    nn.Linear whose out_features are the rows of the model's largest embedding (the vocabulary)."""
+    module = model.get_submodule(name)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if any(getattr(module, "weight", None) is e.weight for e in embeddings):
+        return True
+    return bool(embeddings) and isinstance(module, nn.Linear) and \
+        module.out_features == max(e.num_embeddings for e in embeddings)
+
+
 def high_precision_modules(model: nn.Module, run: Callable[[nn.Module], Any], setting: float | int) -> set[str]:
-    """The linear layers the recipe keeps: the lm_head and the last round(f * n) (halves up) of
-    the other n, in forward order (a run of the model under no_grad finds the order)."""
+    """The linear layers the recipe keeps: the lm_head (by name, or the last layer when it is
+    the output projection) and the last round(f * n) (halves up) of the other n, in forward
+    order (a run of the model under no_grad finds the order)."""
     parameters = {_storage(p): name for p, name in parameter_modules(model).items()}
     recorder = _LinearOrder(parameters)
     with torch.no_grad(), recorder:
         run(model)
-    heads = [m for m in recorder.order if re.search(LM_HEAD, m)]
+    heads = [m for i, m in enumerate(recorder.order) if re.search(LM_HEAD, m)
+             or (i == len(recorder.order) - 1 and _is_output_projection(model, m))]
     layers = [m for m in recorder.order if m not in heads]
     count = setting if isinstance(setting, int) else math.floor(setting * len(layers) + 0.5)
     return set() if count == 0 else {*heads, *layers[len(layers) - min(count, len(layers)):]}

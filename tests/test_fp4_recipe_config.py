@@ -108,3 +108,14 @@ def test_fraction_rounds_half_up():
     fp4 = MXConfig.for_recipe("nvfp4", {"high_precision_layers": 0.25}).fp4
     assert set(fp4.high_precision_modules(["a", "b"])) == {"b"}  # 0.5 layers -> 1
     assert fp4.high_precision_modules(["a"]) == {}  # 0.25 -> 0
+
+
+def test_an_output_projection_found_by_structure_is_kept_as_the_lm_head():
+    """`heads`: an output projection named otherwise (torchtitan's older `output`), found by
+    model_layers.output_projection, is kept besides the count, as the lm_head is."""
+    fp4 = MXConfig.for_recipe("nvfp4").fp4
+    names = LAYERS[:-1] + ["output"]
+    assert set(fp4.high_precision_modules(names)) == {"layers.1.down", "output"}  # round(0.15 * 15) = 2 layers
+    reasons = fp4.high_precision_modules(names, heads=("output",))
+    assert set(reasons) == {"layers.1.up", "layers.1.down", "output"}  # round(0.15 * 14) = 2, and the head
+    assert "the lm_head stays in high precision" in reasons["output"]

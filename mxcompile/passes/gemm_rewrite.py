@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from ..config import GemmRole, MXConfig, OperandFormat, OperandKind
 from ..distributed.shard_check import sharded_contraction_reason
+from ..model_layers import recipe_high_precision
 from ..ops.grouped_mm import GROUPED_MM as ANY_DTYPE_GROUPED_MM
 from ..report import CONVERTED, KEPT, GemmDecision, OperandQuantization, PassResult
 from .graph_facts import (
@@ -325,7 +326,7 @@ def rewrite_gemms(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> Pass
     gradients = nodes_depending_on(tangent_placeholders(gm))
     fp4 = config.fp4
     linear, linear_order = linear_gemms(gm, weight_grads, gradients) if fp4 is not None else ({}, [])
-    high_precision = fp4.high_precision_modules(linear_order) if fp4 is not None else {}
+    high_precision = recipe_high_precision(config, linear_order)
     decisions: list[GemmDecision] = []
     added = removed = 0
     for node in list(gm.graph.nodes):

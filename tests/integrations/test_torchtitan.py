@@ -14,11 +14,14 @@ EAGER_LOSS_RTOL) and the first-step gradients by several percent (more than MX_G
 conversion is not a no-op).
 
 `backend="nvfp4"` (in one process: torchtitan's `apply_compile` with the FP4 backend's pipeline,
-the graphs run op by op): the blocks' gradients equal the FP4 oracle's (tests/fp4_oracle.py) bit
-for bit. torchtitan compiles each block on its own, into one graph that every block runs, so the
-recipe's high-precision rule (the last ~15% of each graph's linear layers) keeps the last linear
-layer of every block (feed_forward.w2, 1 of 5), not the model's last blocks; the oracle is given
-that set. The output projection runs eagerly outside the blocks, in high precision on both sides.
+the output projection compiled alone as `--compile-lm-head` does, the graphs run op by op): the
+recipe's high-precision layers are the model's, not each graph's (mxcompile/model_layers.py).
+torchtitan compiles each block on its own and dynamo would run one graph for every block; the
+recipe keeps the model's last 2 of 10 linear layers (the last block's feed_forward.w3 and w2, in
+forward order), so the last block gets its own graph, and the output projection, whose graph's
+only module name is '', stays in high precision as the model's `lm_head`. The blocks' gradients
+equal the FP4 oracle's (tests/fp4_oracle.py) bit for bit, the oracle given that set; before, the
+rule kept feed_forward.w2 in every block and converted the output projection to NVFP4.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 "
@@ -124,9 +128,12 @@ def test_torchtitan_refusals_are_reported(results) -> None:
 
 
 # ---------------------------------------------------------------- nvfp4, one process
-# Per graph: round(0.15 * 5 linear layers) = 1, the block's last in forward order.
-NVFP4_KEPT_PER_BLOCK = "feed_forward.w2"
-NVFP4_BLOCK_LINEARS = ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w3")
+# A block's linear layers in forward order (SwiGLU: w2(silu(w1 x) * w3 x)). The model has 10; the
+# recipe keeps round(0.15 * 10) = 2, the last ones, and the output projection.
+NVFP4_BLOCK_LINEARS = ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w3",
+                       "feed_forward.w2")
+NVFP4_KEPT = ("layers.1.feed_forward.w3", "layers.1.feed_forward.w2")
+GEMMS_PER_LINEAR = 3
 
 
 def _fp4_oracle_block_gradients(kept: set[str]) -> dict[str, Any]:
@@ -149,7 +156,27 @@ def _fp4_oracle_block_gradients(kept: set[str]) -> dict[str, Any]:
     return _block_gradients(model)
 
 
-def test_nvfp4_blocks_train_with_the_fp4_oracles_gradients(torchtitan_state) -> None:
+def _titan_step_with_output_projection(backend) -> tuple[Any, dict[str, Any]]:
+    """torchtitan's apply_compile, the output projection compiled alone as
+    examples/torchtitan_llama.py's compile_lm_head does; one training step's block gradients."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    from integrations.test_activation_checkpointing import (
+        TT_BATCH, TT_SEQ, TT_VOCAB, _block_gradients, _llama3, _loss, _OneProcess, _tokens,
+    )
+
+    model = _llama3()
+    torch._dynamo.reset()
+    apply_compile(model, compile_config=CompileConfig(enable=True, components=["model"], backend=backend),
+                  parallel_dims=_OneProcess())
+    model.lm_head.forward = torch.compile(model.lm_head.forward, backend=backend, fullgraph=True)
+    inputs, targets = _tokens(TT_VOCAB, TT_BATCH, TT_SEQ)
+    _loss(model(inputs), targets).backward()
+    return model, _block_gradients(model)
+
+
+def test_nvfp4_keeps_the_models_last_layers_and_output_projection(torchtitan_state) -> None:
     """torchtitan's per-block compile with the nvfp4 backend's pipeline (its defaults: RHT,
     stochastic rounding, 2-D weights, high-precision layers; attention off)."""
     import mxcompile
@@ -157,18 +184,22 @@ def test_nvfp4_blocks_train_with_the_fp4_oracles_gradients(torchtitan_state) -> 
     from mx_oracle import relative_distance
     from mxcompile.backend import compile_and_record
     from mxcompile.config import MXConfig
-    from integrations.test_activation_checkpointing import TT_LAYERS, _titan_step
 
     backend = functools.partial(compile_and_record, config=MXConfig.for_recipe("nvfp4"),
                                 lower=decomposed_eager_lowering())
-    model, grads = _titan_step(None, backend)
-    found = [mxcompile.report_of(block) for block in model.layers.values()]
-    assert all(len(reports) == 1 for reports in found) and len({id(reports[0]) for reports in found}) == 1
-    report = found[0][0]  # the one graph every block runs
-    linear = Counter((d.module, d.format or d.decision) for d in report.decisions if d.kind != "attention")
-    assert linear == Counter({**{(m, "nvfp4"): 3 for m in NVFP4_BLOCK_LINEARS}, (NVFP4_KEPT_PER_BLOCK, "kept"): 3})
-    assert all(d.decision == "kept" for d in report.decisions if d.kind == "attention")
-    expected = _fp4_oracle_block_gradients({f"layers.{i}.{NVFP4_KEPT_PER_BLOCK}" for i in range(TT_LAYERS)})
+    model, grads = _titan_step_with_output_projection(backend)
+    found = {name: mxcompile.report_of(block) for name, block in model.layers.items()}
+    assert all(len(reports) == 1 for reports in found.values()) and found["0"][0] is not found["1"][0]
+    for name, (report,) in found.items():  # each block's one graph
+        linear = Counter((d.module, d.format or d.decision) for d in report.decisions if d.kind != "attention")
+        assert linear == Counter({(m, "kept" if f"layers.{name}.{m}" in NVFP4_KEPT else "nvfp4"): GEMMS_PER_LINEAR
+                                  for m in NVFP4_BLOCK_LINEARS}), (name, linear)
+        assert all(d.decision == "kept" for d in report.decisions if d.kind == "attention")
+    (head,) = mxcompile.report_of(model.lm_head)
+    assert [(d.module, d.decision) for d in head.decisions] == [("", "kept")] * GEMMS_PER_LINEAR, head.decisions
+    assert all("lm_head stays in high precision" in d.reason and "module 'lm_head' of the Llama3Model" in d.reason
+               for d in head.decisions), head.decisions
+    expected = _fp4_oracle_block_gradients(set(NVFP4_KEPT))
     assert sorted(grads) == sorted(expected)
     worst = sorted(((relative_distance(grads[n], expected[n]), n) for n in expected), reverse=True)[:3]
     assert worst[0][0] == EXACT, worst
