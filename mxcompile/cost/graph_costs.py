@@ -48,7 +48,11 @@ Conventions
       measured ``dequantize_fp4`` rate), holding the fp32 block values and products
       (:func:`fp4_gemm_peak_bytes`). In a CUDA graph: the Triton FP4 GEMM on the packed operands
       (no dequantize, no scratch), the roofline of the packed bytes it reads and of its FLOPs at
-      ``TRITON_FP4_GEMM_DTYPE_KEY``'s datasheet rate. No GPU rate of that kernel is measured.
+      the profile's FP4 tensor-core rate (sm100+), else ``TRITON_FP4_GEMM_DTYPE_KEY``'s datasheet
+      rate (sm90). No GPU rate of that kernel is measured.
+    * gemm_kernel (the node's ``GEMM_KERNEL_KEY`` record): under "dequantized" a CUDA graph runs
+      an MX GEMM as a GEMM of its dequantized operands at their dtype's rate, and an FP4 GEMM as
+      the fp32 GEMM of its block values, priced as in a CPU graph.
 """
 
 from __future__ import annotations
@@ -78,13 +82,20 @@ QUANTIZE_FP4_SCHEMA_NAME = "mxcompile::quantize_fp4"
 # (`lowering.lower_fp4_gemms`, `numerics.fp4_operand.fp4_gemm`).
 FP4_GEMM_OPERAND_DTYPE = torch.float32
 FP4_GEMM_DTYPE_KEY = "fp32"
-# In a CUDA graph it runs the Triton FP4 GEMM (`lowering.runs_triton_mx_gemm(..., fp4=True)`),
-# priced at the datasheet bf16 tensor-core rate, the MMA its sm90 loop (expand_bf16) issues: a
-# lower bound of its time there, which leaves out the loop's E2M1 unpacking (untimed on a GPU).
-# On sm100+ it multiplies E2M1 on block-scaled tcgen05, which the HGX B200 datasheet rates at
-# 4x bf16 (FP4 Tensor Core 18 PFLOPS, BF16 4.5, both with sparsity); the profiles carry no FP4
-# rate (cost/profiles.py), so there the bf16 rate over-prices its compute up to 4x.
+# In a CUDA graph it runs the Triton FP4 GEMM (`lowering.runs_triton_mx_gemm(..., fp4=True)`). On
+# sm100+ it multiplies E2M1 on block-scaled tcgen05, at the profile's FP4 tensor-core rate
+# (FP4_TENSOR_CORE_DTYPE_KEY: the B200 profile's, twice its FP8 rate). A profile without one
+# (sm90) prices it at the datasheet bf16 tensor-core rate, the MMA its sm90 loop (expand_bf16)
+# issues: a lower bound of its time there, which leaves out the loop's E2M1 unpacking (untimed
+# on a GPU).
+FP4_TENSOR_CORE_DTYPE_KEY = "fp4"
 TRITON_FP4_GEMM_DTYPE_KEY = "bf16"
+# node.meta key where gemm_rewrite (passes/mx_gemm.py) records the config's GemmKernel on the MX
+# and FP4 GEMM nodes and the MX quantize nodes: the CUDA lowering reads it to run the Triton
+# kernels or a GEMM of the dequantized operands (`lowering.runs_triton_mx_gemm`), and the cost
+# model to price the form that runs. Defined here, below the passes, which the cost model may not
+# import (passes/meta_keys.py re-exports it beside the other keys).
+GEMM_KERNEL_KEY = "mxcompile_gemm_kernel"
 ATTENTION_FORWARD_GEMMS = 2  # S = Q K^T, O = P V
 ATTENTION_BACKWARD_GEMMS = 5  # S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
 
@@ -347,13 +358,21 @@ def _fp4_gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return node.args[0], node.args[3]
 
 
+def runs_dequantized_kernel(node: fx.Node) -> bool:
+    """Whether the config gave an MX or FP4 GEMM node gemm_kernel "dequantized" (its
+    `GEMM_KERNEL_KEY` record): a CUDA graph then runs it as a GEMM of its dequantized operands
+    (bf16 for MXFP8, fp32 block values for FP4), not as the Triton kernel."""
+    from ..config import GemmKernel  # config imports the planner, which imports this module
+
+    return node.meta.get(GEMM_KERNEL_KEY) == GemmKernel.DEQUANTIZED
+
+
 def fp4_gemm_runs_packed(node: fx.Node) -> bool:
     """Whether an ``mxcompile::mx_mm_fp4`` node runs on its packed operands, as the Triton FP4
     GEMM: in a CUDA graph, with a 2-D B (`ops.mx_mm.mx_mm_fp4_cuda` runs the torch reference
-    otherwise), as the lowering keeps it under gemm_kernel "auto" on every GPU. The node's
-    gemm_kernel record is not read (it is a pass's node meta, which the cost model does not
-    import): under gemm_kernel "dequantized" a CUDA FP4 GEMM still prices as this kernel."""
-    if not _is_fp4_mm(node) or value_device(node).type != "cuda":
+    otherwise), under gemm_kernel "auto" (on every GPU) or "triton"; under "dequantized" the
+    lowering runs the fp32 GEMM of its block values (`runs_dequantized_kernel`)."""
+    if not _is_fp4_mm(node) or value_device(node).type != "cuda" or runs_dequantized_kernel(node):
         return False
     b = _val(_fp4_gemm_operands(node)[1])
     return b is not None and b.ndim == 2
@@ -449,16 +468,20 @@ def bytes_moved(node: fx.Node) -> int:
 
 
 def flops_dtype_key(node: fx.Node, profile: DeviceProfile) -> str:
-    """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm`` and the MX
-    attention ops on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's
-    dequantized operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the
-    nearest rate the profile has, then "fp32". An FP4 GEMM runs at ``TRITON_FP4_GEMM_DTYPE_KEY``
-    on its packed operands (:func:`fp4_gemm_runs_packed`), else at ``FP4_GEMM_DTYPE_KEY`` (fp32
-    block values)."""
+    """The ``peak_flops`` key a GEMM node runs at: "fp8" for ``mxcompile::mx_mm`` (but one
+    given gemm_kernel "dequantized", :func:`runs_dequantized_kernel`) and the MX attention ops
+    on a device with FP8 GEMMs, else the dtype it multiplies in (an MX GEMM's dequantized
+    operands, :func:`mxcompile.ops.gemm_operand_dtype`), falling back to the nearest rate the
+    profile has, then "fp32". An FP4 GEMM on its packed operands (:func:`fp4_gemm_runs_packed`)
+    runs at the profile's ``FP4_TENSOR_CORE_DTYPE_KEY`` rate where it has one, else at
+    ``TRITON_FP4_GEMM_DTYPE_KEY``'s; otherwise at ``FP4_GEMM_DTYPE_KEY`` (fp32 block values)."""
     name = _schema_name(node)
     if name == MX_MM_FP4_SCHEMA_NAME:
-        return TRITON_FP4_GEMM_DTYPE_KEY if fp4_gemm_runs_packed(node) else FP4_GEMM_DTYPE_KEY
-    mx = _is_mx_mm(node) or name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME)
+        if not fp4_gemm_runs_packed(node):
+            return FP4_GEMM_DTYPE_KEY
+        return FP4_TENSOR_CORE_DTYPE_KEY if FP4_TENSOR_CORE_DTYPE_KEY in profile.peak_flops else TRITON_FP4_GEMM_DTYPE_KEY
+    mx = ((_is_mx_mm(node) and not runs_dequantized_kernel(node))
+          or name in (ATTENTION_SCHEMA_NAME, ATTENTION_BACKWARD_SCHEMA_NAME))
     if mx and profile.native_fp8_gemm:
         return MX_GEMM_DTYPE
     if _is_mx_mm(node):

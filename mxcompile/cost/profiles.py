@@ -214,6 +214,7 @@ B200 = DeviceProfile(
         "bf16": 4.5 * PETA / SPARSITY_FACTOR,
         "fp16": 4.5 * PETA / SPARSITY_FACTOR,
         "fp8": 9 * PETA / SPARSITY_FACTOR,
+        "fp4": 18 * PETA / SPARSITY_FACTOR,
     },
     memory_bandwidth=7.7 * TB,
     host_link_bandwidth=PCIE_GEN5_X16_BOTH_DIRECTIONS / DIRECTIONS,
@@ -225,6 +226,10 @@ B200 = DeviceProfile(
         "peak_flops.fp8": (
             f"{_B200_SHEET}: FP8/FP6 Tensor Core 9 PFLOPS{_DENSE}; Blackwell tensor cores apply MX "
             "block scales natively, so MXFP8 runs at this rate"
+        ),
+        "peak_flops.fp4": (
+            f"{_B200_SHEET}: FP4 Tensor Core 18 PFLOPS{_DENSE}; twice FP8, the rate of E2M1 operands with "
+            "their block scales (NVFP4, MXFP4) on block-scaled tcgen05.mma"
         ),
         "memory_bandwidth": (
             f"{_B200_SHEET}: 180 GB HBM3e at 7.7 TB/s (8 TB/s in the launch announcement; verify the revision)"

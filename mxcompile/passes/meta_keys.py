@@ -1,6 +1,10 @@
 """Every key mxcompile stores in a graph's or a node's `meta` dict, in one place: the passes,
 the backend and the lowering import them from here."""
 
+# node.meta key of the config's GemmKernel on the MX and FP4 GEMM nodes, read by the CUDA lowering
+# and by the cost model, which sits below the passes and so defines it (cost/graph_costs.py).
+from ..cost.graph_costs import GEMM_KERNEL_KEY  # noqa: F401 (re-exported)
+
 GRAPH_INFO_KEY = "mxcompile_graph_info"  # gm.meta: the backend's GraphInfo (passes.graph_facts)
 PLANNED_GRAPH_KEY = "mxcompile_memory_planned"  # gm.meta flag set by passes.memory_plan
 # node.meta flag on the backward nodes passes.memory_plan placed (the copies that recompute a
@@ -12,8 +16,3 @@ CLAIMED_KEY = "mxcompile_attention"
 # node.meta key on aten._grouped_mm nodes gemm_rewrite made from transformers' fallback grouped-GEMM
 # ops (value: the op's name), so that the decision row names where the GEMM came from.
 GROUPED_ORIGIN_KEY = "mxcompile_grouped_origin"
-# node.meta key on the mxcompile::mx_mm and mxcompile::quantize nodes of an MX GEMM, and on the
-# mxcompile::mx_mm_fp4 node of an FP4 GEMM: the config's GemmKernel, read by the CUDA lowering
-# (mxcompile.lowering) to choose between the Triton kernels and Inductor's code (a GEMM of
-# dequantized operands, quantization fused into Inductor's kernels).
-GEMM_KERNEL_KEY = "mxcompile_gemm_kernel"

@@ -14,10 +14,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from cost_graphs import synthetic_profile
-from mxcompile.cost.graph_costs import (bytes_moved, flops_dtype_key, fp4_dequantize_time_s, fp4_gemm_runs_packed,
-                                        node_flops, node_time_s, op_by_op_time_s, saved_quantized_operands,
-                                        value_bytes, workspace_bytes)
-from mxcompile.cost.profiles import DEQUANTIZE_FP4_RATE, QUANTIZE_FP4_RATE
+from mxcompile.config import GemmKernel
+from mxcompile.cost.graph_costs import (GEMM_KERNEL_KEY, bytes_moved, flops_dtype_key, fp4_dequantize_time_s,
+                                        fp4_gemm_runs_packed, node_flops, node_time_s, op_by_op_time_s,
+                                        saved_quantized_operands, value_bytes, workspace_bytes)
+from mxcompile.cost.profiles import B200, DEQUANTIZE_FP4_RATE, H100_SXM, QUANTIZE_FP4_RATE
 from mxcompile.ops.mx_mm import MX_MM_FP4
 from mxcompile.ops.quantize import QUANTIZE_FP4
 
@@ -198,3 +199,27 @@ def test_unpadded_fp4_operand_ratio(fmt, ratio):
     outputs = list(quantize.users)
     (row,) = saved_quantized_operands(outputs)
     assert row["to_bf16"] == pytest.approx(ratio + TENSOR_SCALE_BYTES / (M * K * BF16_BYTES), rel=0, abs=1e-12)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_fp4_gemm_priced_at_the_fp4_tensor_core_rate_where_the_profile_has_one(fmt):
+    """sm100+ multiplies E2M1 on block-scaled tcgen05: the B200 profile's FP4 rate, twice its
+    FP8 rate; a profile without one (H100: the sm90 loop's bf16 wgmma) prices it at bf16."""
+    _, _, mm = _fp4_gemm_nodes(fmt, torch.bfloat16, device="cuda")
+    flops = 2 * M * N * K
+    assert flops_dtype_key(mm, B200) == "fp4" and B200.flops("fp4") == 2 * B200.flops("fp8")
+    assert node_time_s(mm, B200) == pytest.approx(max(flops / B200.flops("fp4"), bytes_moved(mm) / B200.memory_bandwidth))
+    assert flops_dtype_key(mm, H100_SXM) == "bf16"
+
+
+@pytest.mark.parametrize("kernel, packed", [(GemmKernel.DEQUANTIZED, False), (GemmKernel.TRITON, True),
+                                            (GemmKernel.AUTO, True)])
+def test_cuda_fp4_gemm_priced_as_the_gemm_kernel_it_was_given(kernel, packed):
+    """gemm_kernel (the node's record): "dequantized" runs the fp32 GEMM of the block values
+    in a CUDA graph too (`lowering.runs_triton_mx_gemm`), with its dequantize and scratch."""
+    _, _, mm = _fp4_gemm_nodes("nvfp4", torch.bfloat16, device="cuda")
+    mm.meta[GEMM_KERNEL_KEY] = kernel
+    profile = synthetic_profile(bandwidth=1e15, op_rates={DEQUANTIZE_FP4_RATE: 1e6})
+    assert fp4_gemm_runs_packed(mm) == packed
+    assert flops_dtype_key(mm, profile) == ("bf16" if packed else "fp32")
+    assert (fp4_dequantize_time_s(mm, profile) > 0) == (workspace_bytes(mm) > 0) == (not packed)

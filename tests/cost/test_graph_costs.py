@@ -10,9 +10,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from cost_graphs import GIGA, first_of_each_op, synthetic_profile, traced_ops
 from mx_gemm_graph import MX_GEMM_SHAPE, traced_mx_gemm
-from mxcompile.config import MXConfig
-from mxcompile.cost.graph_costs import (attention_flops, attention_pass_time_s, attention_passes, bytes_moved,
-                                        fused_run_time_s, node_flops, node_time_s, op_by_op_run_time_s,
+from mxcompile.config import GemmKernel, MXConfig
+from mxcompile.cost.graph_costs import (GEMM_KERNEL_KEY, attention_flops, attention_pass_time_s, attention_passes,
+                                        bytes_moved, fused_run_time_s, node_flops, node_time_s, op_by_op_run_time_s,
                                         op_by_op_time_s, reference_dequantize_time_s, value_bytes,
                                         workspace_bytes)
 from mxcompile.cost.profiles import ATTENTION_PASS_RATE, ATTENTION_RATE, DEQUANTIZE_RATE, QUANTIZE_RATE, DeviceProfile
@@ -53,6 +53,14 @@ def test_mx_mm_priced_at_fp8_only_with_fp8_gemms(mx_nodes):
     assert node_time_s(mm, synthetic_profile(**slow_memory)) == pytest.approx(flops / (40 * GIGA))
     # Without FP8 GEMMs (a CPU) an fp32-output MX GEMM multiplies fp32 operands: the fp32 rate.
     assert node_time_s(mm, synthetic_profile(native_fp8_gemm=False, **slow_memory)) == pytest.approx(flops / (10 * GIGA))
+
+
+def test_mx_mm_with_the_dequantized_kernel_priced_at_its_operands_rate():
+    """gemm_kernel="dequantized" (the node's record): a GEMM of the dequantized operands (fp32
+    for this fp32-output GEMM) even on a device with FP8 GEMMs."""
+    mm = first_of_each_op(traced_mx_gemm(CONFIG))["mxcompile::mx_mm"]
+    mm.meta[GEMM_KERNEL_KEY] = GemmKernel.DEQUANTIZED  # as gemm_rewrite records the config's
+    assert node_time_s(mm, synthetic_profile(bandwidth=1e15)) == pytest.approx(2 * M * N * K / (10 * GIGA))
 
 
 def test_mx_mm_run_as_its_reference_adds_its_operands_dequantize(mx_nodes):

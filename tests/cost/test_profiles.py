@@ -16,6 +16,7 @@ def test_datasheet_numbers():
     assert H200.memory_bandwidth == pytest.approx(4.8e12)
     assert B200.flops("fp8") == pytest.approx(4.5e15)
     assert B200.flops("bf16") == pytest.approx(2.25e15)
+    assert B200.flops("fp4") == pytest.approx(9e15)  # dense FP4 is twice FP8 (18 PFLOPS with sparsity)
     for profile in PROFILES.values():
         assert profile.flops("fp8") == pytest.approx(2 * profile.flops("bf16"))
         assert profile.flops("fp32") < profile.flops("bf16")
