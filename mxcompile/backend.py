@@ -49,6 +49,7 @@ from .passes.graph_facts import GraphInfo, concrete_int, graph_module_names
 from .passes.meta_keys import GRAPH_INFO_KEY
 from .planner.fx_adapter import MemoryModel
 from .report import GraphSnapshot, RecordedGraph, Report, ReportHistory
+from .model_layers import decides_from_model
 from .step_coverage import WARN_BELOW_FRACTION, MXEagerWarning, StepCoverage, StepMonitor
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
@@ -283,9 +284,11 @@ def compile_and_record(
     pending = layer_compiles(modules_on_stack(), (layer_config, lower),
                              functools.partial(compile_and_record, config=layer_config, lower=lower))
     report = Report(config.to_dict())
-    # A memory plan depends on the device profile measured on this machine, which the cache key
-    # does not cover: graphs with a memory budget are compiled afresh every time.
-    cacheable = lower is inductor_compiler and config.memory_budget is None
+    # A memory plan depends on the device profile measured on this machine, and an FP4 recipe's
+    # high-precision layers on the graph's place in the model (model_layers.py), neither of which
+    # torch's AOTAutograd cache key covers: such graphs are compiled afresh every time (Inductor's
+    # FX graph cache still serves their lowered code).
+    cacheable = lower is inductor_compiler and config.memory_budget is None and not decides_from_model(config)
     key = report_key(gm, example_inputs, config) if cacheable else ""
     hits_before = counters["aot_autograd"]["autograd_cache_hit"]
     with tagged(config) if cacheable else contextlib.nullcontext():
@@ -382,11 +385,14 @@ def step_coverage_of(model: torch.nn.Module) -> StepCoverage | None:
 
 def end_measured_step() -> None:
     """Close the first-step measurement (`measure_first_step`, step_coverage.py) if its step has
-    ended, from your training loop after the backward (outside compiled code). Without this call
-    (or `report_of` / `step_coverage_of`, which make it) it closes at the next call of a compiled
-    graph, inside compiled code, where stopping torch.profiler made processes crash later (a
-    heap corruption, torch 2.13; docs/integrations.md). `MXReportCallback` calls it at the end of
-    every Trainer step. Once the measurement is closed it is one attribute check."""
+    ended, and stop its profiler if the measurement closed inside compiled code; call it from your
+    training loop, outside compiled code. A loop rarely needs it: the measurement closes by itself
+    where the measured step's `backward()` returns and at an optimizer step. It is for the rest:
+    gradients from `torch.autograd.grad` with no `torch.optim` optimizer, or forward calls with
+    gradients on and no backward, after which the profiler waits, collecting nothing, for a
+    close point outside compiled code (before you start a torch.profiler of your own, say).
+    `report_of` and `step_coverage_of` call it, and so does `MXReportCallback` at the end of every
+    Trainer step. Once the measurement is over it is one attribute check."""
     _STEP_MONITOR.finish_ended_step()
 
 

@@ -27,12 +27,11 @@ from the model:
 
 When the graph's module names are not modules of the model found on the stack (no model there,
 or a compiled function that reaches its modules through its arguments), the rule falls back to
-the graph's own linear layers. So it does for a graph compiled under `compile_cache.tagged`,
-which torch's AOTAutograd cache may serve later without running the passes: its key sees the
-graph and the config, not the graph's place in the model, and one block's decisions would serve
-every block (and, served, no instance would move to its class). For the model's rule to apply
-through Inductor, the backend is to compile graphs afresh when `decides_from_model(config)`, as
-it compiles graphs with a memory budget (not done yet: backend.py's `cacheable`).
+the graph's own linear layers. Torch's AOTAutograd cache key sees the graph and the config, not
+the graph's place in the model: one block's cached decisions would serve every block (and,
+served, no instance would move to its class). So the backend compiles graphs afresh when
+`decides_from_model(config)`, as it compiles graphs with a memory budget (backend.py's
+`cacheable`).
 """
 
 from __future__ import annotations
@@ -209,24 +208,16 @@ def decides_from_model(config: MXConfig) -> bool:
     return fp4 is not None and fp4.high_precision_layers not in (0, 0.0, ())
 
 
-def _cacheable_compile() -> bool:
-    """Whether the graph being compiled may be served from torch's AOTAutograd cache later: the
-    backend compiles such graphs under `compile_cache.tagged`, whose tag is in torch's key."""
-    from .compile_cache import TAG_PREFIX  # compile_cache imports the passes, which import this module
-
-    return TAG_PREFIX in (torch.compiler.config.cache_key_tag or "")
-
-
 def recipe_high_precision(config: MXConfig, graph_layers: Sequence[str]) -> dict[str, str]:
     """The recipe's high-precision decisions for one graph's linear layers (`graph_layers`, its
     module names in forward order), with their reasons: decided from the whole model found on
     the stack, each instance that can run this graph moved to the class of its decisions
-    (`separate_instances`); from the graph's layers alone when the model is not found or the
-    graph may be served from torch's cache (the module docstring)."""
+    (`separate_instances`); from the graph's layers alone when the model is not found (the
+    module docstring)."""
     fp4 = config.fp4
     if fp4 is None or not decides_from_model(config) or not graph_layers:
         return {}
-    scope = None if _cacheable_compile() else compiled_scope()
+    scope = compiled_scope()
     layers = model_linear_layers(scope, graph_layers) if scope is not None else None
     if scope is None or layers is None:
         return fp4.high_precision_modules(graph_layers)
