@@ -321,12 +321,10 @@ class MXConfig:
     # Robustness.
     fallback: bool = True  # a failure inside a pass warns and runs the unrewritten graph
     # Measure the first training step after compiling at run time (step_coverage.py: torch.profiler
-    # in that step, the share of all its GEMM FLOPs in MX, a warning under 90%). Off by default:
-    # stopping the profiler inside compiled code, where the measurement closes unless the loop
-    # closes it first (an optimizer step, `backend.end_measured_step`), corrupted the heap (torch
-    # 2.13 CPU, HF Llama with checkpointing: 4 processes of 5 crashed at exit; closed at the
-    # optimizer step, 0 of 5).
-    measure_first_step: bool = False
+    # in that step, the share of all its GEMM FLOPs in MX, a warning under 90%). It closes where
+    # that step's backward returns, and the profiler stops only outside compiled code: stopping it
+    # inside corrupted the heap (torch 2.13 CPU, HF Llama with checkpointing, 4 processes of 5).
+    measure_first_step: bool = True
 
     # Recipe (RECIPES): mxfp8, or an FP4 recipe for the linear layers' GEMMs, with its
     # switches; None takes the recipe's default (an FP4 switch set on mxfp8 raises).

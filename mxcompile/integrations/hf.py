@@ -153,8 +153,8 @@ class MXReportCallback(TrainerCallback):
     At the end of training it logs one summary line (logger `mxcompile.integrations.hf`) and
     warns when no graph of the model was compiled by mxcompile: then the model was not compiled
     with an mxcompile backend, and nothing ran in MX. At the end of every step it closes the
-    first-step measurement (`measure_first_step`) if that step has ended: outside compiled code,
-    where stopping the profiler is safe (`mxcompile.backend.end_measured_step`)."""
+    first-step measurement (`measure_first_step`) if that step has ended and it is still open:
+    outside compiled code, where stopping the profiler is safe (`mxcompile.backend.end_measured_step`)."""
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:

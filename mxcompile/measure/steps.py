@@ -254,7 +254,8 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | str | None
     ``options={"memory_budget": memory_budget}`` (None: no budget, no plan): a fraction in
     (0, 1] or a byte string such as ``"123456B"`` (:meth:`MemoryBudget.parse`).
     ``lower="eager"`` runs the same pipeline with eager lowering (no Inductor code
-    generation: fast to compile, for smoke tests)."""
+    generation: fast to compile, for smoke tests). The run-time MX share is off
+    (``measure_first_step``): its profiler would run in the step measured here, the second."""
     check_choice("lower", lower, LOWERINGS)
     import torch
 
@@ -264,7 +265,7 @@ def mxfp8_budget_step(model: str = "gpt-tiny", memory_budget: float | str | None
 
     budget = None if memory_budget is None else _memory_budget(memory_budget)
     module, args = build_model(model, batch_size)
-    options = {} if budget is None else {"memory_budget": budget}
+    options = {"measure_first_step": False, **({} if budget is None else {"memory_budget": budget})}
     if lower == "inductor":
         compiled = torch.compile(module, backend="mxfp8", options=options)
     else:
