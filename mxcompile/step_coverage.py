@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import sys
 import time
 import warnings
@@ -64,6 +65,12 @@ __all__ = ["MXEagerWarning", "StepCoverage", "StepMonitor", "eager_gemm_flops"]
 WARN_BELOW_FRACTION = 0.90
 GRAPH_CALL_MARKER = "mxcompile.compiled_graph"
 NO_GRAPH_TASK = -1  # torch._C._current_graph_task_id() outside every backward pass
+# Kineto prints two lines ("USDT: ... profiler_start", "... profiler_stop") at every start and stop
+# of torch.profiler below this log level, which it reads from the environment once, when a
+# profiler first starts in the process (torch 2.13: 5 prints them, 6 does not). A measurement the
+# user did not ask for sets it, unless the user did: kineto's own messages are then quiet in
+# this process.
+KINETO_LOG_LEVEL_ENV, QUIET_KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL", "6"
 # Events under which a GEMM is not an eager one: a compiled backward (AOTAutograd's autograd
 # node), Inductor's call of its compiled code, an mxcompile op, dynamo's compile (its timed
 # regions are named "<stage> (dynamo_timed)").
@@ -380,6 +387,7 @@ class StepMonitor:
             # Not inside a backward pass either: the engine runs under a copy of the caller's
             # thread-local state, and a profiler started there is not the caller's to stop.
             return False
+        os.environ.setdefault(KINETO_LOG_LEVEL_ENV, QUIET_KINETO_LOG_LEVEL)
         self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
         self._profiler.start()
         self._collecting = True

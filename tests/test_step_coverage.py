@@ -279,3 +279,27 @@ def test_inside_compiled_code_sees_the_compiled_frames_and_their_resume_function
     torch._dynamo.reset()
     two_graphs(torch.randn(3))
     assert seen == [True, True] and not inside_compiled_code()
+
+
+def test_the_measured_step_prints_nothing():
+    """Kineto prints two lines at each start and stop of torch.profiler unless its log level
+    (read when a profiler first starts in the process) is quiet: the measurement sets it, in a
+    fresh process, unless the user set it. About 10 s (a fresh process imports mxcompile)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, mxcompile\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))\n"
+        "compiled = torch.compile(model, backend='mxfp8')\n"
+        "x = torch.randn(32, 64)\n"
+        "for _ in range(2):\n"
+        "    compiled(x).square().mean().backward()\n"
+        "print(mxcompile.step_coverage_of(model).mx_flop_fraction)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1.0"
+    assert "profiler_start" not in done.stderr and "profiler_stop" not in done.stderr, done.stderr[-2000:]
