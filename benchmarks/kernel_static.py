@@ -177,7 +177,7 @@ def attention_report(sm: int, head_dim: int, first_only: bool) -> dict[str, Any]
     """Every MX attention shape compiled non-causal and causal, the choice made among those
     listed for head_dim (`_attention_choice`); the chosen one compiled beside the bf16 reference,
     non-causal and causal; the per-KV-tile instruction ratios."""
-    by_causal = {causal: launchers(head_dim, causal) for causal in (False, True)}
+    by_causal = {causal: launchers(head_dim, causal, capability=sm) for causal in (False, True)}
     result: dict[str, Any] = {}
     issued: dict[tuple[str, str, bool], float] = {}  # (mx | bf16, kernel, causal)
     for kernel in ATTENTION:

@@ -69,6 +69,35 @@ def dot_dtype(interpret: bool) -> str:
     return "fp32" if interpret else "bf16"
 
 
+# Bytes: on a GPU the kernels read scales along the rows two bytes at a time
+# (`kernels/mx_tile.load_mx_tile`).
+SCALE_ALIGNMENT = 2
+
+
+def aligned_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scale bytes at an address the kernels can read two at a time: as they are, or copied
+    (a view at an odd offset into its storage)."""
+    return scales if scales.data_ptr() % SCALE_ALIGNMENT == 0 else scales.clone()
+
+
+# The first compute capability whose FP8 -> bf16 conversion is one instruction per pair
+# (cvt.rn.bf16x2.e4m3x2, F2FP.BF16.E4M3.UNPACK_B); sm90 converts through f16 (F2FP.F16.E4M3,
+# then F2F.BF16.F16 per element). Seen in Triton 3.9's SASS, 2026-12-08.
+DIRECT_FP8_CVT_CAPABILITY = 100
+
+
+def direct_fp8_cvt(device: torch.device, capability: int | None) -> bool:
+    """The constexpr FP8_CVT_BF16 of the MX attention kernels: whether the target converts FP8
+    to bf16 in one instruction per pair, which decides how P is turned back into bf16 after its
+    rounding (`kernels/mx_tile.mx_round`; both ways give the same bits). `capability` (10 *
+    major + minor) is the compile target's when compiling ahead of time; None reads a CUDA
+    device's, and takes False elsewhere (the interpreter does not read the flag)."""
+    if capability is None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        capability = 10 * major + minor
+    return capability is not None and capability >= DIRECT_FP8_CVT_CAPABILITY
+
+
 @functools.cache
 def _autotuned(block_size: int, head_dim: int) -> Any:
     configs = [c for c in attention_autotune_configs(head_dim) if c.kwargs["BLOCK_N"] % block_size == 0]
@@ -177,10 +206,12 @@ def attention_launch(
     interpret: bool,
     wrap: Any = None,
     store_lse: bool = False,
+    capability: int | None = None,
 ) -> Any:
     """Thin launcher on 3-D (heads, rows, cols) tensors, made contiguous (the kernel's layout);
     no validation (see mx_attention_triton). Returns the output, or (output, logsumexp (heads,
-    rows) fp32) when store_lse."""
+    rows) fp32) when store_lse. capability: the compile target's, when compiling ahead of time
+    (`direct_fp8_cvt`)."""
     import triton
 
     heads, s_q, d = q.shape
@@ -195,7 +226,7 @@ def attention_launch(
 
     meta: dict[str, Any] = {
         **key.meta(), "CAUSAL": causal, "STORE_LSE": store_lse, "DOT": dot_dtype(interpret),
-        "HEAD_DIM": d, "SCALE_BLOCK": block_size,
+        "FP8_CVT_BF16": direct_fp8_cvt(q.device, capability), "HEAD_DIM": d, "SCALE_BLOCK": block_size,
     }  # fmt: skip
     if s_q == 0 or heads == 0:  # nothing to compute; Triton rejects an empty grid
         return result
@@ -208,7 +239,7 @@ def attention_launch(
             raise ValueError(f"tiles['BLOCK_N'] must be a multiple of block_size={block_size}")
     if wrap is not None:
         kernel = wrap(kernel)
-    operands = [t.contiguous() for t in (q, q_scale, k, k_scale, v, v_scale)]
+    operands = [t.contiguous() for t in (q, q_scale, k, k_scale, v, aligned_scales(v_scale))]
     kernel[grid](*operands, out, lse, s_q, s_k, sm_scale * LOG2E, **meta)
     return result
 

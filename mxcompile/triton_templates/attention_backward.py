@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from ..numerics.formats import elem_format
 from ..numerics.formats import scale_mode_named
 from ..numerics.quantize import dequantize_along, quantize_along
-from .attention import LOG2E, dot_dtype
+from .attention import LOG2E, aligned_scales, direct_fp8_cvt, dot_dtype
 from .configs import (
     attention_backward_autotune_configs,
     autotuned,
@@ -103,7 +103,7 @@ class Operand:
 
     def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(data, scales) as kernel arguments; the data stands in for absent scales (unread)."""
-        return self.data, self.data if self.scale is None else self.scale
+        return self.data, self.data if self.scale is None else aligned_scales(self.scale)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -277,9 +277,11 @@ def attention_backward_launch(
     interpret: bool,
     out_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] = (torch.float32,) * 3,
     wrap: Any = None,
+    capability: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin launcher on 3-D (heads, rows, cols) contiguous operands and lse (heads, rows); no
-    validation (see mx_attention_backward_triton). Three launches: delta, dK/dV, dQ."""
+    validation (see mx_attention_backward_triton). Three launches: delta, dK/dV, dQ.
+    capability: the compile target's, when compiling ahead of time (`direct_fp8_cvt`)."""
     import triton
 
     heads, s_q, d = operands.q.data.shape
@@ -311,7 +313,7 @@ def attention_backward_launch(
     for name, grid_len in (("dkdv", s_k), ("dq", s_q)):
         meta: dict[str, Any] = {
             **key.meta(name), "CAUSAL": causal, "MX_QK": mx_qk, "MX_PV": mx_pv, "DOT": dot_dtype(interpret),
-            "HEAD_DIM": d, "SCALE_BLOCK": block_size,
+            "FP8_CVT_BF16": direct_fp8_cvt(device, capability), "HEAD_DIM": d, "SCALE_BLOCK": block_size,
         }  # fmt: skip
         if tiles is None and not interpret:
             kernel = _autotuned(name, block_size, d)

@@ -217,13 +217,15 @@ Launch = Callable[[dict[str, int], Any], object]
 
 
 def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
-              gemm_size: int = 4096) -> dict[str, tuple[str, Launch]]:  # fmt: skip
+              gemm_size: int = 4096, capability: int | None = None) -> dict[str, tuple[str, Launch]]:  # fmt: skip
     """Label -> (kernel name, launch) of every kernel the static report compiles, on meta
     tensors at a training-sized shape (sizes divisible by 16, as real launches are): the MX
     attention forward, dK/dV and dQ kernels and the bf16 flash-attention ones (bf16 inputs to
     the backward, as training gives them), the quantize kernel (bf16, both axes from one read)
     the MX GEMM (its three main loops, `mx_gemm.GEMM_PATHS`) and the plain bf16 GEMM reference
-    (`mx_gemm.bf16_mm_launch`)."""
+    (`mx_gemm.bf16_mm_launch`). capability: the target the MX attention kernels are compiled
+    for, which picks how they turn P back into bf16 (`attention.direct_fp8_cvt`; None: the
+    sm90 way, which compiles for every target)."""
     from ..numerics.formats import DEFAULT_BLOCK_SIZE as block
     from ..numerics.formats import E4M3, ScaleMode
     from .attention import AttentionKey, attention_launch
@@ -246,11 +248,13 @@ def launchers(head_dim: int, causal: bool, *, heads: int = 16, seq: int = 4096,
     sm_scale = head_dim**-0.5
     attention = dict(sm_scale=sm_scale, causal=causal, interpret=False)
     mx_forward = functools.partial(attention_launch, q8, qs, q8, qs, q8, vs, key=AttentionKey(),
-                                   block_size=block, out_dtype=bf16, **attention)  # fmt: skip
+                                   block_size=block, out_dtype=bf16, capability=capability,
+                                   **attention)  # fmt: skip
     mx_backward = functools.partial(attention_backward_launch,
                                     empty_operands(heads, seq, seq, head_dim, device=meta), x, x, lse,
                                     key=AttentionBackwardKey(), mx_qk=True, mx_pv=True,
-                                    block_size=block, out_dtypes=(bf16,) * 3, **attention)  # fmt: skip
+                                    block_size=block, out_dtypes=(bf16,) * 3, capability=capability,
+                                    **attention)  # fmt: skip
     bf16_forward = functools.partial(flash_attention_launch, x, x, x, **attention)
     bf16_backward = functools.partial(flash_attention_backward_launch, x, x, x, x, x, lse, **attention)
     quantize = functools.partial(quantize_launch, empty(gemm_size, gemm_size, dtype=bf16),

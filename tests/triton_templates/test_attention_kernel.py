@@ -20,9 +20,14 @@ import triton.language as tl
 
 from attention_exactness import octave_operands, quantized, torch_primitives  # noqa: F401
 from mxcompile.ops.attention_reference import AttentionOptions, attention_forward_impl
-from mxcompile.numerics import dequantize_along, formats
+from mxcompile.numerics import dequantize_along
 from mxcompile.triton_templates import mx_attention_triton
-from mxcompile.triton_templates.common import exponent_bias
+from mxcompile.triton_templates.attention import (
+    DIRECT_FP8_CVT_CAPABILITY,
+    SCALE_ALIGNMENT,
+    aligned_scales,
+    direct_fp8_cvt,
+)
 from mxcompile.triton_templates.loader import kernel_module
 
 _TILE = None  # the interpreted `kernels/mx_tile.py`, which `_round_tile` calls (set by its test)
@@ -71,7 +76,7 @@ def _round_tile(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, ELEM: tl
                 SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
     offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     x = tl.load(x_ptr + offsets)
-    tl.store(out_ptr + offsets, _TILE.mx_round(x, ROWS, COLS, 32, ELEM, SCALE_MODE, SIGNED, "fp32"))
+    tl.store(out_ptr + offsets, _TILE.mx_round(x, ROWS, COLS, 32, ELEM, SCALE_MODE, SIGNED, "fp32", False))
 
 
 def _edge_rows(signed: bool) -> torch.Tensor:
@@ -107,22 +112,73 @@ def test_mx_round_in_registers_matches_the_numerics_core(elem: str, scale_mode: 
 
 
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
-def test_gpu_rounding_moves_the_fp8_byte_under_bf16s_exponent_exactly(elem: str) -> None:
+def test_gpu_rounding_moves_the_fp8_value_under_bf16s_exponent_exactly(elem: str) -> None:
     """The integer step of `mx_round`'s GPU path for P (`_round_unsigned_asm`, which the CPU
-    cannot run): a non-negative FP8 byte shifted left by the asm's shift, read as bf16, times
-    bf16 2**(scale - bias) equals the element's value times 2**scale rounded to bf16 (what the
-    signed path's conversion and multiply give), for every byte and every scale byte up to
-    127 + bias (P's are below 127). ~0.1 s."""
+    cannot run): a non-negative FP8 value converted to f16 (the asm's cvt.rn.f16x2, exact),
+    two of them in one 32-bit word whose bits are shifted right by the asm's shift, each half
+    read as bf16, times bf16 2**(scale - F16_EXPONENT_BIAS) equals the element's value times
+    2**scale rounded to bf16 (what the signed path's conversion and multiply give), for every
+    byte and every scale byte up to 127 + F16_EXPONENT_BIAS (P's are below 127). ~0.1 s."""
     tile = kernel_module("mx_tile", interpret=True)
-    shift = int(re.search(r"shl\.b32 w, w, (\d+);", tile._round_unsigned_asm(elem)).group(1))
+    asm = tile._round_unsigned_asm(elem)
+    assert f"cvt.rn.f16x2.{elem}x2" in asm
+    shift = int(re.search(r"shr\.b32 w, w, (\d+);", asm).group(1))
     fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem]
-    bias = exponent_bias({"e4m3": formats.E4M3, "e5m2": formats.E5M2}[elem])
-    data = torch.arange(128, dtype=torch.int16)
-    values = data.to(torch.uint8).view(fp8).float()
+    bias = int(tile.F16_EXPONENT_BIAS)
+    values = torch.arange(128, dtype=torch.uint8).view(fp8).float()
     finite = values.isfinite()
-    shifted = (data << shift).view(torch.bfloat16)
+    # Each value in the low half of a word beside another value in the high half (its own
+    # bits would cross into the low half's top bits if they were not 0), shifted as one int32.
+    halves = values.nan_to_num().half().view(torch.int16).to(torch.int32) & 0xFFFF
+    words = halves | (halves.flip(0) << 16)
+    low = (words >> shift) & 0xFFFF
+    high = (words >> (16 + shift)) & 0xFFFF
+    shifted = torch.stack([low, high.flip(0)]).to(torch.int16).view(torch.bfloat16)
     scales = torch.arange(0, 128 + bias)
     factor = torch.pow(2.0, (scales - bias).double()).to(torch.bfloat16)
-    got = shifted[None, :] * factor[:, None]
     want = (values[None, :] * torch.pow(2.0, (scales - 127).double()).float()[:, None]).to(torch.bfloat16)
-    assert torch.equal(got[:, finite].view(torch.int16), want[:, finite].view(torch.int16))
+    for half in shifted:
+        got = half[None, :] * factor[:, None]
+        assert torch.equal(got[:, finite].view(torch.int16), want[:, finite].view(torch.int16))
+
+
+def test_the_direct_fp8_conversion_is_taken_from_the_target() -> None:
+    """`direct_fp8_cvt` (the kernels' FP8_CVT_BF16): a compile target's capability when given,
+    sm100 and later; without one, False off CUDA (meta tensors, the CPU). ~0.01 s."""
+    meta = torch.device("meta")
+    assert direct_fp8_cvt(meta, DIRECT_FP8_CVT_CAPABILITY)
+    assert not direct_fp8_cvt(meta, 90)
+    assert not direct_fp8_cvt(meta, None) and not direct_fp8_cvt(torch.device("cpu"), None)
+
+
+def test_scales_at_an_odd_address_are_copied_to_an_aligned_one() -> None:
+    """`aligned_scales`: the kernels read scales along the rows two bytes at a time on a GPU;
+    a view at an odd offset is copied, an aligned tensor passed as it is. ~0.01 s."""
+    buffer = torch.arange(65, dtype=torch.uint8)
+    odd = buffer[1:]
+    assert odd.data_ptr() % SCALE_ALIGNMENT
+    copied = aligned_scales(odd)
+    assert copied.data_ptr() % SCALE_ALIGNMENT == 0 and torch.equal(copied, odd)
+    assert aligned_scales(buffer) is buffer
+
+
+def _column_pairs_tile(ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, VALID_ROWS: tl.constexpr):
+    offs_rows = tl.arange(0, ROWS)
+    even, odd = _TILE.load_column_pairs(ptr, offs_rows, (offs_rows < VALID_ROWS)[:, None], COLS)
+    offsets = offs_rows[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(out_ptr + offsets, _TILE.join_column_pairs(even, odd))
+
+
+def test_scales_along_the_rows_read_in_column_pairs_keep_their_columns() -> None:
+    """How the GPU path of `load_mx_tile` reads scales along the rows (two bytes per 16-bit
+    load, the factors of the even and odd columns joined back): every byte, 0-255 included,
+    lands in its own column, masked rows read 0. The interpreter runs these helpers (not the
+    inline assembly between them). ~0.5 s."""
+    global _TILE
+    _TILE = kernel_module("mx_tile", interpret=True)
+    kernel = triton.jit(_column_pairs_tile)
+    scales = torch.arange(4 * 128, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(4, 128)
+    out = torch.empty(4, 128, dtype=torch.int32)
+    kernel[(1,)](scales, out, ROWS=4, COLS=128, VALID_ROWS=3)
+    assert torch.equal(out[:3], scales[:3].to(torch.int32))
+    assert not out[3].any()

@@ -28,6 +28,7 @@ def mx_attention_fwd_kernel(
     CAUSAL: tl.constexpr,
     STORE_LSE: tl.constexpr,  # also write logsumexp = m + log(l), what the backward needs
     DOT: tl.constexpr,  # MMA operand dtype: "bf16" ("fp32" under the interpreter)
+    FP8_CVT_BF16: tl.constexpr,  # the target converts FP8 to bf16 in one instruction (sm100+)
     HEAD_DIM: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -57,7 +58,7 @@ def mx_attention_fwd_kernel(
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, True)
         # O = O * alpha + P V: P rounded along the keys, V along the keys.
         v = load_mx_tile(v_ptr, v_scale_ptr, head, n0, S_K, BLOCK_N, HEAD_DIM, SCALE_BLOCK, True, DOT)
-        p = mx_round(p, BLOCK_M, BLOCK_N, SCALE_BLOCK, P_ELEM, SCALE_MODE, False, DOT)
+        p = mx_round(p, BLOCK_M, BLOCK_N, SCALE_BLOCK, P_ELEM, SCALE_MODE, False, DOT, FP8_CVT_BF16)
         acc = tl.dot(p, v, acc * alpha[:, None])
 
     # Phase 3: normalise and store (a row that attended to no key gets 0, as in the CPU op).

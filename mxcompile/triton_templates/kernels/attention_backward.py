@@ -36,12 +36,12 @@ def _operand(data_ptr, scale_ptr, head, r0, S, ROWS: tl.constexpr, HEAD_DIM: tl.
 @triton.jit
 def _product(lhs, rhs, acc, MX: tl.constexpr, ROWS: tl.constexpr, INNER: tl.constexpr,
              SCALE_BLOCK: tl.constexpr, ELEM: tl.constexpr, SCALE_MODE: tl.constexpr,
-             SIGNED: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+             SIGNED: tl.constexpr, DOT: tl.constexpr, FP8_CVT_BF16: tl.constexpr):  # fmt: skip
     """acc + lhs · rhs for fp32 lhs (ROWS, INNER), P or dS, and an operand tile rhs (INNER, cols):
     with MX, lhs is rounded to MX along INNER, its contraction axis, in registers; else an fp32
     product. SIGNED=False: lhs >= 0 (P)."""
     if MX:
-        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE, SIGNED, DOT)
+        lhs = mx_round(lhs, ROWS, INNER, SCALE_BLOCK, ELEM, SCALE_MODE, SIGNED, DOT, FP8_CVT_BF16)
         acc = tl.dot(lhs, rhs, acc)
     else:
         acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
@@ -98,6 +98,7 @@ def mx_attention_bwd_dkdv_kernel(
     MX_QK: tl.constexpr,  # S = Q K^T and dK = dS^T Q in MX (else fp32)
     MX_PV: tl.constexpr,  # dV = P^T dO and dP = dO V^T in MX (else fp32)
     DOT: tl.constexpr,  # MMA operand dtype of the MX products: "bf16" ("fp32" interpreted)
+    FP8_CVT_BF16: tl.constexpr,  # the target converts FP8 to bf16 in one instruction (sm100+)
     HEAD_DIM: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per step, a multiple of SCALE_BLOCK
@@ -132,13 +133,15 @@ def mx_attention_bwd_dkdv_kernel(
         p_t = tl.where(valid, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         # dV += P^T dO: P^T rounded along the queries, dO along the queries.
         do_t = _operand(dot_ptr, dot_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, True, MX_PV, DOT)
-        dv = _product(p_t, do_t, dv, MX_PV, BLOCK_N, BLOCK_M, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, False, DOT)
+        dv = _product(p_t, do_t, dv, MX_PV, BLOCK_N, BLOCK_M, SCALE_BLOCK, FWD_ELEM, SCALE_MODE, False, DOT,
+                      FP8_CVT_BF16)
         # dP^T = V dO^T (along head_dim), then dS^T = (dP^T - delta) P^T, fp32.
         do = _operand(do_ptr, do_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, False, MX_PV, DOT)
         ds_t = (_scores(v, do, MX_PV) - delta[None, :]) * p_t
         # dK += dS^T Q: dS^T rounded along the queries, Q along the queries.
         q_t = _operand(qt_ptr, qt_scale_ptr, head, m0, S_Q, BLOCK_M, HEAD_DIM, SCALE_BLOCK, True, MX_QK, DOT)
-        dk = _product(ds_t, q_t, dk, MX_QK, BLOCK_N, BLOCK_M, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT)
+        dk = _product(ds_t, q_t, dk, MX_QK, BLOCK_N, BLOCK_M, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT,
+                      FP8_CVT_BF16)
 
     # Phase 3: store dK (times the softmax scale) and dV.
     offsets = head * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -163,6 +166,7 @@ def mx_attention_bwd_dq_kernel(
     MX_QK: tl.constexpr,  # S = Q K^T and dQ = dS K in MX (else fp32)
     MX_PV: tl.constexpr,  # dP = dO V^T in MX (else fp32)
     DOT: tl.constexpr,
+    FP8_CVT_BF16: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,  # queries per program, a multiple of SCALE_BLOCK
@@ -192,7 +196,7 @@ def mx_attention_bwd_dq_kernel(
         ds = (_scores(do, v, MX_PV) - delta[:, None]) * p
         # dQ += dS K: dS rounded along the keys, K along the keys.
         k_t = _operand(kt_ptr, kt_scale_ptr, head, n0, S_K, BLOCK_N, HEAD_DIM, SCALE_BLOCK, True, MX_QK, DOT)
-        dq = _product(ds, k_t, dq, MX_QK, BLOCK_M, BLOCK_N, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT)
+        dq = _product(ds, k_t, dq, MX_QK, BLOCK_M, BLOCK_N, SCALE_BLOCK, GRAD_ELEM, SCALE_MODE, True, DOT, FP8_CVT_BF16)
 
     # Phase 3: store dQ (times the softmax scale).
     offsets = head * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]

@@ -43,10 +43,13 @@ F32_SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # 0x80000000 as an int32
 F32_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << (formats.F32_MANTISSA_BITS - 1))
 # bf16's mantissa width, and its 2**-127 (a subnormal: the mantissa's top bit alone).
 _BF16_MANTISSA_BITS = 7
+_BF16_SMALLEST_SCALE_BITS = 1 << (_BF16_MANTISSA_BITS - 1)
 BF16_MANTISSA_BITS: tl.constexpr = tl.constexpr(_BF16_MANTISSA_BITS)
-BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(1 << 6)
+BF16_SMALLEST_SCALE_BITS: tl.constexpr = tl.constexpr(_BF16_SMALLEST_SCALE_BITS)
 # Bits to drop, at most, when rounding an fp32 significand (keeps the shift below 31).
 F32_MAX_ROUNDING_SHIFT: tl.constexpr = tl.constexpr(30)
+BYTE_BITS: tl.constexpr = tl.constexpr(8)
+BYTE_MASK: tl.constexpr = tl.constexpr(0xFF)
 E8M0_BIAS: tl.constexpr = tl.constexpr(formats.E8M0_BIAS)
 E8M0_MAX_BYTE: tl.constexpr = tl.constexpr(formats.E8M0_MAX_BYTE)
 E8M0_NAN: tl.constexpr = tl.constexpr(formats.E8M0_NAN)
@@ -282,6 +285,47 @@ def expansion_scale(scale_bytes, DOT: tl.constexpr):
     return scale
 
 
+@triton.constexpr_function
+def _bf16_scale_asm():
+    """PTX: `expansion_scale`'s bf16 bits for a scale byte ($1, int32) into $0 (16 bits)."""
+    return (
+        "{ .reg .b32 t;\n"
+        f"shl.b32 t, $1, {_BF16_MANTISSA_BITS};\n"
+        f"max.u32 t, t, {_BF16_SMALLEST_SCALE_BITS};\n"
+        "cvt.u16.u32 $0, t; }"
+    )
+
+
+@triton.jit
+def pinned_bf16_scale(scale_bytes):
+    """`expansion_scale(scale_bytes, "bf16")` (int32 bytes), computed where it is written: by
+    inline assembly marked impure, so in the layout the scales are loaded in, where a thread
+    holds few of them. Written as plain Triton, the compiler moves the layout conversion that
+    the broadcast over the data tile needs in front of the computation (it converts bytes rather
+    than bf16) and computes each element's factor in the data's layout: for scales along the
+    rows, which differ from column to column, about 6 instructions per pair of elements on sm90
+    (sm90 forward head_dim 128, 905 -> 815 loop instructions; 2026-12-08, Triton 3.9)."""
+    return tl.inline_asm_elementwise(_bf16_scale_asm(), "=h,r", [scale_bytes], dtype=tl.bfloat16,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def load_column_pairs(ptr, offs_rows, mask_rows, COLS: tl.constexpr):
+    """The bytes ptr[offs_rows, :COLS] (2-byte aligned rows of an even length), read two columns
+    per 16-bit load: (even columns, odd columns) as int32, each (rows, COLS / 2); masked rows
+    read 0."""
+    offs_w = tl.arange(0, COLS // 2)
+    word_ptrs = ptr.to(tl.pointer_type(tl.int16)) + offs_rows[:, None] * (COLS // 2) + offs_w[None, :]
+    words = tl.load(word_ptrs, mask=mask_rows, other=0).to(tl.int32)
+    return words & BYTE_MASK, (words >> BYTE_BITS) & BYTE_MASK
+
+
+@triton.jit
+def join_column_pairs(even, odd):
+    """(rows, C) values of the even and the odd columns -> the (rows, 2C) tile."""
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * even.shape[1]))
+
+
 @triton.jit
 def load_mx_tile(
     data_ptr, scale_ptr, head, r0, S,
@@ -293,6 +337,9 @@ def load_mx_tile(
     (heads, S, HEAD_DIM) FP8, contiguous; scales contiguous uint8, (heads, S, HEAD_DIM / 32)
     along head_dim, or with ALONG_ROWS (heads, ceil(S / 32), HEAD_DIM) along the rows (r0 is
     then a multiple of SCALE_BLOCK). Rows at or past S read 0.
+
+    On a GPU, scales along the rows are read two bytes at a time: their tensor must be 2-byte
+    aligned (`attention.aligned_scales`).
 
     An FP8 value times a power-of-two scale is exact in bf16 unless it falls below bf16's
     smallest subnormal (2**-133): exact for every element of a block whose scale byte is at
@@ -306,12 +353,23 @@ def load_mx_tile(
     if ALONG_ROWS:
         n_blocks = (S + SCALE_BLOCK - 1) // SCALE_BLOCK
         offs_b = r0 // SCALE_BLOCK + tl.arange(0, ROWS // SCALE_BLOCK)
-        scale_ptrs = scale_ptr + head * n_blocks * HEAD_DIM + offs_b[:, None] * HEAD_DIM + offs_d[None, :]
+        head_scales = scale_ptr + head * n_blocks * HEAD_DIM
+        in_range = (offs_b < n_blocks)[:, None]
         # Past the last block, scale byte 0 (2**-127, finite): it multiplies rows read as 0, and
         # a zero fills a masked word at once where another byte was selected byte by byte.
-        scale = tl.load(scale_ptrs, mask=(offs_b < n_blocks)[:, None], other=0)
+        if DOT == "bf16":
+            # Two columns' bytes per 16-bit load, their factors joined back side by side: each
+            # thread then holds pairs of adjacent factors, which the broadcast over the data
+            # tile reads from shared memory 4 bytes at a time (2 bytes at a time from a plain
+            # byte tile: sm90 forward head_dim 128, 801 -> 789 loop instructions; dK/dV
+            # 727 -> 688).
+            even, odd = load_column_pairs(head_scales, offs_b, in_range, HEAD_DIM)
+            factor = join_column_pairs(pinned_bf16_scale(even), pinned_bf16_scale(odd))
+        else:
+            scale = tl.load(head_scales + offs_b[:, None] * HEAD_DIM + offs_d[None, :], mask=in_range, other=0)
+            factor = expansion_scale(scale, DOT)
         blocks = tl.reshape(x, (ROWS // SCALE_BLOCK, SCALE_BLOCK, HEAD_DIM))
-        x = blocks * tl.expand_dims(expansion_scale(scale, DOT), 1)
+        x = blocks * tl.expand_dims(factor, 1)
     else:
         blocks_per_row: tl.constexpr = HEAD_DIM // SCALE_BLOCK
         offs_b = tl.arange(0, blocks_per_row)
@@ -335,22 +393,26 @@ def bf16x2_pow2_bits(exponent):
     return half | (half << BF16_HALF_BITS)
 
 
+# An FP8 value converted to f16 (exact) and its bits shifted right by F16_TO_BF16_SHIFT (bf16's
+# exponent field is that much wider) is the bf16 of value * 2**(F16_EXPONENT_BIAS - 127).
+F16_EXPONENT_BIAS: tl.constexpr = tl.constexpr(15)
+_F16_TO_BF16_SHIFT = 3
+
+
 @triton.constexpr_function
 def _round_unsigned_asm(elem):
     """PTX for two fp32 values y0, y1 >= 0 ($1, $2) and a bf16x2 factor ($3): both rounded to
-    the element format by the hardware cast (nearest even, saturating; NaN stays NaN), the two
-    FP8 bytes spread to the low byte of each 16-bit half (prmt) and shifted under bf16's
-    exponent field, then multiplied by the factor ($0: bf16 x0 in the low half). A byte
-    0eee..mm.. shifted by 7 - mantissa bits is the bf16 whose exponent and mantissa fields are
-    the byte's: the element's value times 2**(bias - 127), subnormals included (bf16 has fp32's
-    exponent range), so a factor 2**(scale - bias) gives value * 2**scale, rounded once."""
-    shift = _BF16_MANTISSA_BITS - _FORMATS[elem].mantissa_bits
+    the element format by the hardware cast (nearest even, saturating; NaN stays NaN),
+    converted to f16x2 (exact: f16 holds every E4M3 and E5M2 value), whose bits shifted right
+    by 3 are the bf16x2 of the values times 2**(15 - 127) (the f16 exponent field becomes the
+    low bits of bf16's, f16 subnormals bf16 subnormals; nothing crosses the halves, as the low
+    3 bits of an FP8 value's f16 are 0), then multiplied by the factor ($0: bf16 x0 in the low
+    half): a factor 2**(scale + 112) gives value * 2**scale, rounded once."""
     return (
         "{ .reg .b16 q; .reg .b32 w;\n"
         f"cvt.rn.satfinite.{elem}x2.f32 q, $2, $1;\n"
-        "cvt.u32.u16 w, q;\n"
-        "prmt.b32 w, w, 0, 0x2120;\n"
-        f"shl.b32 w, w, {shift};\n"
+        f"cvt.rn.f16x2.{elem}x2 w, q;\n"
+        f"shr.b32 w, w, {_F16_TO_BF16_SHIFT};\n"
         "mul.rn.bf16x2 $0, w, $3; }"
     )
 
@@ -359,7 +421,7 @@ def _round_unsigned_asm(elem):
 def _round_unsigned_bf16(y, factor, ELEM: tl.constexpr):
     """bf16 of fp32 y >= 0 (already scaled into the element format's range) rounded to the
     element format ELEM and multiplied by `factor` (int32, `bf16x2_pow2_bits`), two elements
-    per instance of `_round_unsigned_asm`: 5 instructions per pair on sm90."""
+    per instance of `_round_unsigned_asm`: 4 instructions per pair."""
     return tl.inline_asm_elementwise(_round_unsigned_asm(ELEM), "=r,r,r,r,r", [y, factor],
                                      dtype=tl.bfloat16, is_pure=True, pack=2)
 
@@ -367,7 +429,7 @@ def _round_unsigned_bf16(y, factor, ELEM: tl.constexpr):
 @triton.jit
 def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
              ELEM: tl.constexpr, SCALE_MODE: tl.constexpr, SIGNED: tl.constexpr,
-             DOT: tl.constexpr):  # fmt: skip
+             DOT: tl.constexpr, FP8_CVT_BF16: tl.constexpr):  # fmt: skip
     """fp32 x (ROWS, COLS) rounded to MX along COLS, in registers, as the MMA operand in dtype
     DOT: the dequantized value an MX GEMM multiplies (`mxcompile.numerics`: the block scale
     from the block's amax, x scaled by its inverse, clamped, rounded to the element format's
@@ -379,10 +441,13 @@ def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexp
     signed like the value; the rounded value is scaled back in fp32. DOT "bf16" (a GPU): the
     hardware cast rounds (cvt.rn.satfinite, the same nearest-even grid); the element converts
     to bf16 exactly and is scaled back there, one packed multiply per two elements, exact as
-    `load_mx_tile`'s expansion. SIGNED=False: 0 <= x < 2**15 (P, at most 1): no sign
-    operations, and on a GPU the FP8 byte is moved under bf16's exponent field by integer
-    operations (`_round_unsigned_asm`; its factor 2**(scale - bias) is a normal bf16 for
-    every scale such values get)."""
+    `load_mx_tile`'s expansion. SIGNED=False: 0 <= x < 2**23 (P, at most 1): no sign
+    operations, and on a GPU without FP8_CVT_BF16 (sm90, whose FP8 conversions give f16) the
+    element's f16 bits are shifted under bf16's exponent field (`_round_unsigned_asm`; its
+    factor 2**(scale + 112) is a normal bf16 for every scale such values get): 4 instructions
+    per pair, against 6 for the cast, the conversion through f16 and the multiply. With
+    FP8_CVT_BF16 (sm100, one conversion instruction per pair) the cast, conversion and
+    multiply take 3."""
     blocks = tl.reshape(x, (ROWS, COLS // SCALE_BLOCK, SCALE_BLOCK))
     # The block amax on the bits: NaN bits exceed Inf's, so one integer max finds both.
     abs_bits = blocks.to(tl.int32, bitcast=True)
@@ -399,8 +464,8 @@ def mx_round(x, ROWS: tl.constexpr, COLS: tl.constexpr, SCALE_BLOCK: tl.constexp
         # to the max below); the other modes saturate (keeping a non-finite block's NaN).
         y = tl.maximum(y, -elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
         y = tl.minimum(y, elem_max(ELEM), propagate_nan=tl.PropagateNan.ALL)
-    if DOT == "bf16" and not SIGNED:
-        pow2 = bf16x2_pow2_bits(scale - elem_exponent_bias(ELEM))
+    if DOT == "bf16" and not SIGNED and not FP8_CVT_BF16:
+        pow2 = bf16x2_pow2_bits(scale - F16_EXPONENT_BIAS)
         factor = tl.where(nonfinite, BF16X2_QUIET_NAN_BITS, pow2)
         rounded = _round_unsigned_bf16(y, tl.expand_dims(factor, 2), ELEM)
     else:
