@@ -23,6 +23,11 @@ graphs of a model while its forward runs, so the model is one of them, whichever
 compiled (`torch.compile`, `Module.compile`, `mxcompile.compile`). It swaps their checkpoint
 functions at the graph's first run (`LayerCompiles.apply`), before the layers run, and warns
 once per model (`MXCheckpointingWarning`), naming them.
+
+An FP4 recipe decides a layer graph's high-precision layers from the whole model
+(model_layers.py), but the runner's graphs are compiled where no model may be on the stack (a
+reentrant checkpoint compiles the joint graph in the backward): `layer_of_runner` finds the
+layer a runner frame runs, `model_of` the model whose layers `LayerCompiles.apply` swapped.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import functools
 import sys
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -43,6 +49,8 @@ __all__ = [
     "checkpointed_layers",
     "LayerCompiles",
     "layer_compiles",
+    "layer_of_runner",
+    "model_of",
     "modules_on_stack",
 ]
 
@@ -62,6 +70,27 @@ def _run_layer(function: Callable[..., Any], *args: Any) -> Any:
     **kwargs)` on the layer's positional inputs. One code object for every layer, so dynamo
     compiles one graph that every layer of the same structure shares."""
     return function(*args)
+
+
+def layer_of_runner(code: types.CodeType, local_values: dict[str, Any]) -> tuple[int, nn.Module] | None:
+    """The layer that a `_run_layer` frame runs (`code` and `local_values`: the frame's, as
+    dynamo traces it) and its index among the positional arguments of its `function`, HF's
+    partial(forward, layer, **kwargs); None for a frame of any other code."""
+    function = local_values.get("function")
+    if code is not _run_layer.__code__ or not isinstance(function, functools.partial):
+        return None
+    return next(((i, a) for i, a in enumerate(function.args) if isinstance(a, nn.Module)), None)
+
+
+# layer -> its model, for the layers whose checkpoint function `LayerCompiles.apply` swapped
+# (weak both ways: the model holds the layer, so a strong value would keep the key alive).
+_MODELS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def model_of(layer: nn.Module) -> nn.Module | None:
+    """The model whose checkpointed layer `layer` is (`LayerCompiles.root`), None if unknown."""
+    root = _MODELS.get(layer)
+    return root() if root is not None else None
 
 
 # backend settings -> the compiled `_run_layer` for them. Dynamo guards each compiled entry on
@@ -141,6 +170,7 @@ class LayerCompiles:
         layers = [(name, layer) for name, layer in self.layers
                   if not _is_layer_compiled(getattr(layer, CHECKPOINT_FUNCTION, None))]
         for _, layer in layers:
+            _MODELS[layer] = weakref.ref(self.root)
             setattr(layer, CHECKPOINT_FUNCTION, layer_compiled_checkpoint(getattr(layer, CHECKPOINT_FUNCTION),
                                                                           self.run_layer))
         names = _innermost([name for name, _ in layers])

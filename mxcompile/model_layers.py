@@ -25,9 +25,20 @@ from the model:
   moves a module to its FSDP class: dynamo's guard on the class then compiles it its own graph,
   whose compile decides from that instance.
 
-When the graph's module names are not modules of the model found on the stack (no model there,
-or a compiled function that reaches its modules through its arguments), the rule falls back to
-the graph's own linear layers. Torch's AOTAutograd cache key sees the graph and the config, not
+HF gradient checkpointing runs every checkpointed layer through one compiled function,
+`checkpointed_layers._run_layer(function, *args)` with `function` HF's partial(forward, layer,
+**kwargs): its graphs name the layer's modules from that argument (`args.0.mlp.down_proj`), and a
+reentrant checkpoint compiles its joint graph in the backward, with no model on the stack. So
+`compiled_scope` first asks dynamo which frame it is tracing: for the runner's, the module is the
+layer in `function` (`checkpointed_layers.layer_of_runner`), the model the one whose layers
+mxcompile routed through the runner (`checkpointed_layers.model_of`), and the graph's names are
+relative to the layer after the prefix `args.<i>` (`CompiledScope.graph_prefix`). The runner's
+graphs are guarded on the layer's class too (through `function`), so `separate_instances` gives
+the layers that keep layers their own runner graph.
+
+When the graph's module names are not modules of the model (no model found, or a compiled
+function that reaches its modules through its arguments otherwise), the rule falls back to the
+graph's own linear layers. Torch's AOTAutograd cache key sees the graph and the config, not
 the graph's place in the model: one block's cached decisions would serve every block (and,
 served, no instance would move to its class). So the backend compiles graphs afresh when
 `decides_from_model(config)`, as it compiles graphs with a memory budget (backend.py's
@@ -45,6 +56,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .checkpointed_layers import layer_of_runner, model_of
 from .config import MXConfig
 
 __all__ = ["CompiledScope", "compiled_scope", "decides_from_model", "model_linear_layers", "output_projection",
@@ -52,6 +64,9 @@ __all__ = ["CompiledScope", "compiled_scope", "decides_from_model", "model_linea
 
 # The class a module had before `separate_instances` moved it (an attribute of the subclass).
 ORIGINAL_CLASS = "_mxcompile_original_class"
+# How a graph names a module that its compiled function reaches through a partial's positional
+# argument i (dynamo's source L['function'].args[i], as graph_facts.clean_module_path writes it).
+PARTIAL_ARGUMENT_PREFIX = "args.{}"
 # (original class, kept layer names relative to the instance) -> its subclass: one per decision
 # set, so every instance with the same decisions shares one class, and so one graph.
 _SUBCLASSES: dict[tuple[type, frozenset[str]], type] = {}
@@ -73,15 +88,24 @@ def _original_class(module: nn.Module) -> type:
 @dataclass(frozen=True)
 class CompiledScope:
     """Where a compiled graph sits in its model: the model (`root`), the module whose forward
-    the graph traces (`module`; the graph's module names are relative to it) and its name in
-    the model ('' when the graph traces the model's own forward)."""
+    the graph traces (`module`), its name in the model ('' when the graph traces the model's own
+    forward) and the graph's name for it (`graph_prefix`: '' when the graph traces its forward,
+    `args.0` when a compiled function reaches it through its argument)."""
 
     root: nn.Module
     module: nn.Module
     name: str
+    graph_prefix: str = ""
 
-    def model_name(self, graph_name: str) -> str:
-        return _join(self.name, graph_name)
+    def model_name(self, name: str) -> str:
+        """The model's name of a module named relative to `module`."""
+        return _join(self.name, name)
+
+    def module_names(self, graph_names: Sequence[str]) -> list[str] | None:
+        """The graph's module names relative to `module`; None when one is not below it."""
+        if not all(_within(name, self.graph_prefix) for name in graph_names):
+            return None
+        return [name[len(self.graph_prefix):].lstrip(".") for name in graph_names]
 
 
 def _unwrapped(value: object) -> nn.Module | None:
@@ -92,11 +116,33 @@ def _unwrapped(value: object) -> nn.Module | None:
     return value if isinstance(value, nn.Module) and not isinstance(value, fx.GraphModule) else None
 
 
+def _runner_scope() -> CompiledScope | None:
+    """The scope of a graph of HF gradient checkpointing's layer runner (the module docstring):
+    the layer in the `function` of the `_run_layer` frame that dynamo traces, in the model whose
+    layers mxcompile routed through the runner. None when dynamo traces another frame."""
+    from torch._dynamo import symbolic_convert
+
+    traced = getattr(symbolic_convert.tls, "current_tx", None)  # set while dynamo traces a frame
+    found = layer_of_runner(traced.f_code, traced.f_locals) if traced is not None else None
+    if found is None:
+        return None
+    index, layer = found
+    root = model_of(layer)
+    if root is None:
+        return None
+    name = next((n for n, m in root.named_modules() if m is layer), None)
+    return CompiledScope(root, layer, name, PARTIAL_ARGUMENT_PREFIX.format(index)) if name is not None else None
+
+
 def compiled_scope(frame: types.FrameType | None = None) -> CompiledScope | None:
-    """The model and the module being compiled, from the `self` of the Python frames from
+    """The model and the module being compiled: for a graph of HF gradient checkpointing's
+    layer runner, its layer (`_runner_scope`); else from the `self` of the Python frames from
     `frame` (default: the caller's) down: the innermost module (a torch.compile wrapper as the
     module it wraps; FX graph modules of the compiler itself left out) and the outermost
-    module that contains it. None when no module is on the stack."""
+    module that contains it. None when no module is found."""
+    runner = _runner_scope()
+    if runner is not None:
+        return runner
     frame = frame if frame is not None else sys._getframe(1)
     found: list[nn.Module] = []
     while frame is not None:
@@ -218,12 +264,13 @@ def recipe_high_precision(config: MXConfig, graph_layers: Sequence[str]) -> dict
     if fp4 is None or not decides_from_model(config) or not graph_layers:
         return {}
     scope = compiled_scope()
-    layers = model_linear_layers(scope, graph_layers) if scope is not None else None
-    if scope is None or layers is None:
+    names = scope.module_names(graph_layers) if scope is not None else None
+    layers = model_linear_layers(scope, names) if scope is not None and names is not None else None
+    if scope is None or names is None or layers is None:
         return fp4.high_precision_modules(graph_layers)
     head = output_projection(scope.root, layers)
     reasons = fp4.high_precision_modules(layers, heads=(head,) if head is not None else ())
-    separate_instances(scope, graph_layers, set(reasons))
+    separate_instances(scope, names, set(reasons))
     where = f"; module '{{}}' of the {type(scope.root).__name__} model"
-    return {name: reasons[full] + (where.format(full) if full != name else "")
-            for name in graph_layers if (full := scope.model_name(name)) in reasons}
+    return {graph_name: reasons[full] + (where.format(full) if full != graph_name else "")
+            for graph_name, name in zip(graph_layers, names) if (full := scope.model_name(name)) in reasons}
