@@ -41,15 +41,15 @@ from .cost.graph_costs import saved_quantized_operands
 from .coverage import warn_uncompiled
 from .distributed.fsdp import unsharded_parameters
 from .distributed.shard_check import misaligned_input_dims, misaligned_placeholders
-from .distributed.subclass_inputs import param_placeholder_indices
+from .distributed.subclass_inputs import param_placeholder_indices, static_input_indices
 from .lowering import inductor_compiler
+from .model_layers import decides_from_model
 from .ops.native import build as native_build
 from .passes import PassError, run_partition_stage, run_pipeline
 from .passes.graph_facts import GraphInfo, concrete_int, graph_module_names
 from .passes.meta_keys import GRAPH_INFO_KEY
 from .planner.fx_adapter import MemoryModel
 from .report import GraphSnapshot, RecordedGraph, Report, ReportHistory
-from .model_layers import decides_from_model
 from .step_coverage import WARN_BELOW_FRACTION, MXEagerWarning, StepCoverage, StepMonitor
 
 Compiler = Callable[[fx.GraphModule, Sequence[Any]], Callable]
@@ -247,8 +247,13 @@ def compile_graph(
         return fw, bw
 
     def inference(graph: fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+        # AOTAutograd gives the partition its static inputs (parameters, buffers), not the
+        # inference compiler: they are the dynamo graph's, so the FP4 recipes find the linear
+        # layers of a graph compiled without gradients (a reentrant checkpoint's forward).
+        params = param_placeholder_indices(graph, static_input_indices(example_inputs))
         graph.meta[GRAPH_INFO_KEY] = GraphInfo(
-            "inference", misaligned_shards=tuple(misaligned_placeholders(graph, sharded).items()))
+            "inference", param_input_indices=params,
+            misaligned_shards=tuple(misaligned_placeholders(graph, sharded).items()))
         before = _readable(graph) if describe else ""
         rewrite(graph, "inference")
         if describe:

@@ -9,20 +9,21 @@ labels some weight-gradient GEMMs `input_grad` (seen in torch 2.13 with the TP G
 weight gradients found). `param_placeholder_indices` maps the outer indices through each
 placeholder's AOTInput descriptor (`node.meta["desc"]`) to flattened primal positions.
 
-Meant for `mxcompile.backend.compile_graph`'s partition function (see the distributed README
-section); kept here until it is wired in.
+`mxcompile.backend.compile_graph` uses it in its partition function, and with
+`static_input_indices` (the dynamo graph's parameters and buffers) in its inference compiler.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch.fx as fx
+from torch import nn
 
 _TANGENT_PREFIX = "tangents"
 _SUBCLASS_TENSOR_ATTRS = ("_local_tensor",)  # the inner tensor of a DTensor that carries data
 
-__all__ = ["param_placeholder_indices"]
+__all__ = ["param_placeholder_indices", "static_input_indices"]
 
 
 def _outer_index(desc: object) -> tuple[int | None, bool]:
@@ -52,3 +53,10 @@ def param_placeholder_indices(joint: fx.GraphModule, static_indices: Sequence[in
         if is_data and outer in static:
             found.append(position)
     return tuple(found)
+
+
+def static_input_indices(example_inputs: Sequence[Any]) -> tuple[int, ...]:
+    """Outer input indices of a dynamo graph's parameters and buffers (what AOTAutograd calls
+    its static-lifetime inputs): nn.Parameters, and tensors dynamo marked static."""
+    return tuple(i for i, value in enumerate(example_inputs)
+                 if isinstance(value, nn.Parameter) or getattr(value, "_dynamo_static_input_type", None) is not None)

@@ -113,6 +113,22 @@ def test_whole_model_compile_keeps_the_same_layers_and_classes():
     assert {type(block) for block in model.layers} == {Block}  # one graph: no class moved
 
 
+def test_a_graph_compiled_without_gradients_follows_the_recipe():
+    """Under torch.no_grad (inference, or a reentrant checkpoint's forward) dynamo's graph is an
+    inference graph: its linear layers' GEMMs run in NVFP4 and the kept ones in high precision,
+    as in training (they ran in MXFP8, kept layers included, when only a joint graph's
+    parameters were known)."""
+    torch.manual_seed(0)
+    model = Model()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=_backend(3))(torch.randint(0, VOCAB, (BATCH, SEQ)))
+    (report,) = mxcompile.report_of(model)
+    assert _kept([report]) == {"layers.2.down", "layers.3.up", "layers.3.down", "output"}
+    formats = {d.module: d.operands[0].format for d in report.decisions if d.decision != KEPT}
+    assert len(formats) == 5 and set(formats.values()) == {"nvfp4"}, formats
+
+
 def test_graphs_that_decide_from_the_model_are_not_left_to_torchs_cache(monkeypatch):
     """Torch's AOTAutograd cache key does not see a block's place in the model: one block's cached
     decisions would serve every block, and a graph served runs no pass. So through Inductor the
