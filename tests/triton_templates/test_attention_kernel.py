@@ -182,3 +182,21 @@ def test_scales_along_the_rows_read_in_column_pairs_keep_their_columns() -> None
     kernel[(1,)](scales, out, ROWS=4, COLS=128, VALID_ROWS=3)
     assert torch.equal(out[:3], scales[:3].to(torch.int32))
     assert not out[3].any()
+
+
+@pytest.mark.slow  # ~7 s on 2 cores with a cold Triton cache (one compile for sm100)
+def test_the_sm100_forward_turns_p_back_into_bf16_in_one_conversion() -> None:
+    """Compiled ahead of time for sm100, the forward's P rounding takes that target's path
+    (FP8_CVT_BF16, from the compile target): the one-instruction FP8 -> bf16 conversion and
+    packed fp32 multiplies, not sm90's f16 conversion and 3-bit shift (`_round_unsigned_asm`,
+    which the sm90 compiles of tests/triton_templates/test_attention_spills.py take)."""
+    from mxcompile.triton_templates.aot import compile_launch
+    from mxcompile.triton_templates.kernel_static import launchers
+
+    capability = DIRECT_FP8_CVT_CAPABILITY
+    name, launch = launchers(64, causal=False, capability=capability)["mx_attention_fwd"]
+    (kernel,) = compile_launch(lambda wrap: launch({"BLOCK_M": 128, "BLOCK_N": 64}, wrap), capability,
+                               num_warps=8, num_stages=3, only=name)  # fmt: skip
+    ptx = kernel.asm["ptx"]
+    assert "mul.rn.f32x2" in ptx and "cvt.rn.bf16x2.e4m3x2" in ptx
+    assert "shr.b32 w, w, 3" not in ptx
