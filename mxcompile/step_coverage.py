@@ -15,7 +15,7 @@ told. So the first training step after mxcompile compiled its graphs is measured
   point after that which the training loop passes: where `torch.autograd.backward` (which
   `Tensor.backward` calls) returns, an optimizer step (a global optimizer-step pre-hook), or
   `end_measured_step`/`report_of`/`step_coverage_of`; the first two are hooked only while the
-  window is open (`AfterBackward`). It also closes, with what it saw, when another step begins
+  window is open or its profiler awaits its stop (`AfterBackward`). It also closes, with what it saw, when another step begins
   without a backward: a graph called again, outside any backward, on the same first parameter,
   or a graph of another model.
 * Where the profiler stops: only outside compiled code (`inside_compiled_code`: no frame dynamo
@@ -366,7 +366,7 @@ class StepMonitor:
         self._step_end_ns: int | None = None  # when the last backward pass of the window ended
         self._calls_seen: set[tuple[int, int]] = set()  # (graph, first parameter) called in the window
         self._called: set[int] = set()  # graphs called once already (the compile step is not measured)
-        self._optimizer_hook: Any = None  # closes the window at an optimizer step, while one is open
+        self._optimizer_hook: Any = None  # a close point, while a window is open or awaits its stop
         self._after_backward = AfterBackward(self.finish_ended_step)  # ... and where a backward returns
 
     @property
@@ -417,20 +417,20 @@ class StepMonitor:
 
     def _close(self) -> None:
         """End the window: its counts stop here; its profile is read now outside compiled code,
-        else at the next close point outside it (class docstring)."""
+        else at the next close point outside it (class docstring), the loop's hooks held till then."""
         from torch.profiler import ProfilerActivity
 
         self._collecting = False
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
-        self._after_backward.remove()
-        if inside_compiled_code():
+        if inside_compiled_code():  # the close points stay hooked until the stop
             self._profiler.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
         else:
             self._read_profile()
 
     def _read_profile(self) -> None:
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        self._after_backward.remove()
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         began = time.perf_counter()

@@ -259,6 +259,28 @@ def test_a_window_closed_inside_compiled_code_stops_the_profiler_outside():
     assert coverage is not None and (coverage.graph_calls, coverage.mx_flops, coverage.eager_flops) == (1, forward, 0)
 
 
+def test_a_stop_left_pending_is_made_where_the_next_backward_returns():
+    """Forward calls with gradients and no backward leave the profiler waiting for its stop (the
+    window closed inside compiled code); the next training loop's first backward stops it, where
+    it returns, so that loop's measured step is measured (with the hooks gone at the close, the
+    profiler stayed on and no later window could open)."""
+    from mxcompile.backend import _STEP_MONITOR
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_Block(eager_mlp=False), backend="mxfp8")
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    for _ in range(3):
+        compiled(x)
+    assert _STEP_MONITOR.stop_pending
+    model = _Block(eager_mlp=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MXEagerWarning)
+        _train_two_steps(model)
+    assert not _STEP_MONITOR.stop_pending and not torch.autograd._profiler_enabled()
+    coverage = mxcompile.step_coverage_of(model)
+    assert coverage is not None and coverage.eager_gemms == 6
+
+
 def test_inside_compiled_code_sees_the_compiled_frames_and_their_resume_functions():
     from mxcompile.step_coverage import inside_compiled_code
 
