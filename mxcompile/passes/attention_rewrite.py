@@ -866,7 +866,7 @@ def rewrite_attention(gm: fx.GraphModule, config: MXConfig, graph_name: str) -> 
                 module=module_name(node), decision=CONVERTED if reason is None else KEPT,
                 reason=(f"{role}: {ROLE_QUANTIZATION[role]} ({padding.describe()}; "
                         "eager softmax attention)") if reason is None
-                else f"{role}: {reason} (eager softmax attention)",
+                else f"{reason} ({role}; eager softmax attention)",  # the reason first, as the fused sites
                 operands=(
                     OperandQuantization.of(lhs_node.name, shape_hint(lhs), 2, config.mx_operand_format(elems[0])),
                     OperandQuantization.of(rhs_node.name, shape_hint(rhs), 1, config.mx_operand_format(elems[1])),

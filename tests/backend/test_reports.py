@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import warnings
 
 import pytest
@@ -92,26 +93,33 @@ def test_a_graph_keeping_over_5_percent_warns_once_with_its_top_reasons():
 class _SevenLinear(nn.Module):
     """Six linear layers, an attention and an lm_head: nvfp4's defaults keep round(0.15 * 6) = 1
     layer and the lm_head in high precision (its high_precision_layers), and the attention
-    (attention="off"), over 5% of the GEMM FLOPs."""
+    (attention="off"), over 5% of the GEMM FLOPs. The attention is SDPA, or written out
+    (softmax(Q Kᵀ / sqrt(d)) V: the eager softmax form HF's attn_implementation="eager" runs)."""
 
-    def __init__(self):
+    def __init__(self, eager_attention: bool = False):
         super().__init__()
         self.layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
         self.lm_head = nn.Linear(64, 64, bias=False)
+        self.eager_attention = eager_attention
 
     def forward(self, x):
         heads = self.layers(x).view(1, -1, 2, 32).transpose(1, 2)  # (batch, heads, tokens, head_dim)
-        attended = nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
+        if self.eager_attention:
+            scores = torch.matmul(heads, heads.transpose(-2, -1)) / math.sqrt(heads.shape[-1])
+            attended = torch.matmul(torch.softmax(scores, dim=-1), heads)
+        else:
+            attended = nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
         return self.lm_head(attended.transpose(1, 2).reshape(x.shape))
 
 
-@pytest.mark.parametrize("exclude", [(), ("layers.0",)])
-def test_an_fp4_recipes_own_high_precision_layers_do_not_warn(exclude):
+@pytest.mark.parametrize("exclude, eager_attention", [((), False), (("layers.0",), False), ((), True)])
+def test_an_fp4_recipes_own_high_precision_layers_do_not_warn(exclude, eager_attention):
     """What the nvfp4 recipe keeps by design (its high-precision layers, attention under its
-    default attention="off") is no reason to warn (it warned on every nvfp4 compile); a layer
+    default attention="off", SDPA or written out) is no reason to warn (it warned on every nvfp4
+    compile, and on eager softmax attention until its reason began with the recipe's); a layer
     kept for another reason still warns, naming that reason only."""
     torch.manual_seed(0)
-    model = _SevenLinear()
+    model = _SevenLinear(eager_attention)
     config = MXConfig.for_recipe("nvfp4", {"exclude": exclude})
     compiled = torch.compile(model, backend=_recording_backend(config))
     with warnings.catch_warnings(record=True) as caught:
