@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,7 +61,14 @@ from torch import nn
 from .checkpointed_layers import layer_of_runner, model_of
 from .config import MXConfig
 
-__all__ = ["CompiledScope", "compiled_scope", "decides_from_model", "model_linear_layers", "output_projection",
+
+class MXSeparatedLayersWarning(UserWarning):
+    """mxcompile moved modules of a model to per-decision subclasses (`separate_instances`)."""
+
+
+_WARNED_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models told of the move once
+
+__all__ = ["CompiledScope", "MXSeparatedLayersWarning", "compiled_scope", "decides_from_model", "model_linear_layers", "output_projection",
            "recipe_high_precision", "separate_instances"]
 
 # The class a module had before `separate_instances` moved it (an attribute of the subclass).
@@ -240,11 +249,23 @@ def separate_instances(scope: CompiledScope, graph_layers: Sequence[str], kept: 
     modules = dict(scope.root.named_modules())
     decisions = {name: frozenset(g for g in graph_layers if _join(name, g) in kept)
                  for name in _graph_instances(scope, modules)}
-    if len(set(decisions.values())) > 1:
-        for name, layers in decisions.items():
-            cls = _subclass(_original_class(modules[name]), layers)
-            if type(modules[name]) is not cls:
-                modules[name].__class__ = cls
+    if len(set(decisions.values())) <= 1:
+        return
+    moved = []
+    for name, layers in decisions.items():
+        cls = _subclass(_original_class(modules[name]), layers)
+        if type(modules[name]) is not cls:
+            modules[name].__class__ = cls
+            moved.append(name)
+    if moved and scope.root not in _WARNED_ROOTS:  # once per model
+        _WARNED_ROOTS.add(scope.root)
+        warnings.warn(
+            f"mxcompile moved {len(moved)} module(s) of your {type(scope.root).__name__} ({', '.join(moved[:3])}"
+            f"{', ...' if len(moved) > 3 else ''}) to a subclass of their class with the same name: the FP4 "
+            "recipe keeps different layers of them in high precision (high_precision_layers counts the whole "
+            "model's layers), and dynamo compiles one graph per class. isinstance checks and state_dict keys "
+            "are unchanged; set high_precision_layers to module patterns that match whole blocks, or 0, to keep "
+            "the classes.", MXSeparatedLayersWarning, stacklevel=2)
 
 
 def decides_from_model(config: MXConfig) -> bool:

@@ -10,6 +10,7 @@ output projection: 8 linear layers besides it. Per case, about 2 s here (2 share
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import mxcompile
 from gradient_blocks import decomposed_eager_lowering
 from mxcompile.backend import compile_and_record
 from mxcompile.config import MXConfig
-from mxcompile.model_layers import decides_from_model, output_projection
+from mxcompile.model_layers import MXSeparatedLayersWarning, decides_from_model, output_projection
 from mxcompile.report import KEPT
 
 WIDTH, VOCAB, BLOCKS, BATCH, SEQ = 32, 48, 4, 2, 16
@@ -89,7 +90,8 @@ def _per_block(setting) -> tuple[nn.Module, dict[str, list]]:
     (r"layers\.1\.up", {"layers.1.up"}),
 ])
 def test_per_block_compile_keeps_the_models_last_layers(setting, kept):
-    model, reports = _per_block(setting)
+    with pytest.warns(MXSeparatedLayersWarning, match="to a subclass of their class with the same name"):
+        model, reports = _per_block(setting)
     per_block = {name: _kept(found, name) for name, found in reports.items()}
     print("kept per block:", per_block)
     assert set().union(*per_block.values()) == kept, per_block
@@ -108,7 +110,9 @@ def test_whole_model_compile_keeps_the_same_layers_and_classes():
     torch.manual_seed(0)
     model = Model()
     torch._dynamo.reset()
-    _step(torch.compile(model, backend=_backend(3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MXSeparatedLayersWarning)  # nothing moved, nothing said
+        _step(torch.compile(model, backend=_backend(3)))
     assert _kept(mxcompile.report_of(model)) == {"layers.2.down", "layers.3.up", "layers.3.down", "output"}
     assert {type(block) for block in model.layers} == {Block}  # one graph: no class moved
 
