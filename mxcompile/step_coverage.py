@@ -53,7 +53,6 @@ import functools
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
