@@ -164,3 +164,18 @@ def test_checkpointed_layers_run_attention_with_the_least_scratch():
     assert all(chunk == [1] * len(chunk) for chunk in chunks.values()), chunks  # the unbudgeted chunk is BATCH
     configs = {r.config["attention_chunking"] for r in mxcompile.report_of(model)}
     assert configs == {"fastest", "least_memory"}, configs
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 48, open: under HF reentrant checkpointing the nvfp4 gradients are 0.41-0.43 (relative) "
+    "from the FP4 oracle's (2026-12-08), the product or the oracle wrong under checkpointing, not yet "
+    "found; the same model without checkpointing is bit-identical (tests/models/test_fp4_gradient_oracle.py)"))
+def test_checkpointed_nvfp4_gradients_equal_the_fp4_oracles():
+    from fp4_oracle import NVFP4_RECIPE, fp4_compiled_distances
+
+    model = _checkpointed("llama", reentrant=True)
+    config = MXConfig.for_recipe("nvfp4", {"measure_first_step": False})
+    backend = functools.partial(compile_and_record, config=config, lower=decomposed_eager_lowering())
+    distances, _roles = fp4_compiled_distances(model, _loss_of("llama"), backend, NVFP4_RECIPE)
+    worst = sorted(distances.items(), key=lambda item: -item[1])[:3]
+    assert worst[0][1] == EXACT, f"worst parameters {worst}"
